@@ -1,0 +1,17 @@
+"""megatrain_lightning: train models larger than GPU memory with ``Trainer(strategy="megatrain")``."""
+
+from megatrain_lightning.optim import CPUAdamW
+from megatrain_lightning.precision import MegaTrainPrecision
+from megatrain_lightning.strategy import MegaTrainStrategy
+
+__all__ = ["CPUAdamW", "MegaTrainPrecision", "MegaTrainStrategy"]
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if MegaTrainStrategy.strategy_name not in StrategyRegistry:
+        MegaTrainStrategy.register_strategies(StrategyRegistry)
+
+
+_register()

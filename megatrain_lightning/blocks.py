@@ -1,0 +1,158 @@
+"""Partition a model into blocks: the units whose parameters page together.
+
+A block is either one instance of a *block class* (for Hugging Face models the classes in
+``_no_split_modules``, e.g. ``LlamaDecoderLayer``) or, for parameters outside every such
+instance, the modules that own them directly (embeddings, final norm, head). Modules that
+share a parameter (GPT-2's tied ``wte``/``lm_head``) are merged into one block, so every
+parameter is stored exactly once.
+
+A *call site* is a module whose forward runs with its block resident; a block has one call
+site per module that reaches its parameters (two for a tied embedding/head block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Where one parameter lives inside its block's flat buffer."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Binding:
+    """``owner.<attr>`` must read block parameter ``index`` while the call site runs."""
+
+    owner: nn.Module
+    attr: str
+    index: int
+
+
+@dataclass(eq=False)
+class CallSite:
+    module: nn.Module
+    name: str
+    block: Block
+    bindings: list[Binding]
+
+    @property
+    def param_indices(self) -> list[int]:
+        """Block parameters this call site reaches, each once, in first-seen order."""
+        return list(dict.fromkeys(b.index for b in self.bindings))
+
+
+@dataclass(eq=False)
+class Block:
+    index: int
+    name: str
+    params: list[ParamSpec] = field(default_factory=list)
+    sites: list[CallSite] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+def _class_names(block_classes: Iterable[str | type] | None, model: nn.Module) -> set[str]:
+    if block_classes:
+        return {c if isinstance(c, str) else c.__name__ for c in block_classes}
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return names
+
+
+def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None = None) -> list[Block]:
+    """Split ``model``'s parameters into blocks; raise a clear error where that is impossible."""
+    class_names = _class_names(block_classes, model)
+    if not class_names:
+        raise MisconfigurationException(
+            f"Cannot find the blocks of {type(model).__name__}: it names no `_no_split_modules`. Pass the "
+            "decoder-layer classes, e.g. `MegaTrainStrategy(block_classes=['LlamaDecoderLayer'])`."
+        )
+    block_roots: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in class_names and not any(name.startswith(r + ".") for r in block_roots):
+            block_roots[name] = module
+    if not block_roots:
+        raise MisconfigurationException(
+            f"No module of {type(model).__name__} is an instance of the block classes {sorted(class_names)}. "
+            "Check `block_classes`: it takes class names or classes of the repeated layers."
+        )
+
+    def in_block(name: str) -> bool:
+        return any(name == r or name.startswith(r + ".") for r in block_roots)
+
+    # Modules outside every block that own parameters directly each become a call site.
+    owners: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if not in_block(name) and module._parameters and any(p is not None for p in module._parameters.values()):
+            owners.setdefault(name, module)
+    for name, module in owners.items():
+        nested = [r for r in block_roots if name == "" or r.startswith(name + ".")]
+        if nested:
+            raise MisconfigurationException(
+                f"Module `{name or type(model).__name__}` owns parameters and also contains the blocks "
+                f"{nested[:2]}...; megatrain cannot page it. Name it in `block_classes` or move its parameters "
+                "into a submodule."
+            )
+
+    order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    sites = dict(sorted({**block_roots, **owners}.items(), key=lambda item: order[item[0]]))
+    # Merge call sites that share a parameter (tied weights) with a small union-find.
+    parent = {name: name for name in sites}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first_site: dict[int, str] = {}
+    site_params: dict[str, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+    for site_name, module in sites.items():
+        entries = []
+        for sub_name, sub in module.named_modules(remove_duplicate=False):
+            for attr, param in sub._parameters.items():
+                if param is None:
+                    continue
+                entries.append((sub, attr, param))
+                other = first_site.setdefault(id(param), site_name)
+                parent[find(site_name)] = find(other)
+        site_params[site_name] = entries
+
+    groups: dict[str, list[str]] = {}
+    for site_name in sites:
+        groups.setdefault(find(site_name), []).append(site_name)
+
+    qualified = {id(p): n for n, p in model.named_parameters()}
+    blocks: list[Block] = []
+    for members in groups.values():
+        block = Block(index=len(blocks), name=" + ".join(members))
+        slots: dict[int, int] = {}
+        offset = 0
+        for site_name in members:
+            bindings = []
+            for owner, attr, param in site_params[site_name]:
+                if id(param) not in slots:
+                    slots[id(param)] = len(block.params)
+                    block.params.append(
+                        ParamSpec(qualified[id(param)], param.shape, offset, param.numel(), param.requires_grad)
+                    )
+                    offset += param.numel()
+                bindings.append(Binding(owner, attr, slots[id(param)]))
+            block.sites.append(CallSite(sites[site_name], site_name, block, bindings))
+        blocks.append(block)
+    return blocks

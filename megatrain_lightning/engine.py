@@ -1,0 +1,346 @@
+"""The engine: runs a model whose parameters live in the store, one resident block at a time.
+
+Every call site's ``forward`` is replaced by a paged one. Without autograd (evaluation) it
+binds the block's slot views into the module, runs, and unbinds. With autograd it goes
+through :class:`_PagedCall`, an autograd function whose backward fetches the block again,
+recomputes the block (activation checkpointing) or replays its saved graph with the weights
+rebound to the new slot, computes the block's parameter gradients and offloads them at once.
+The module's own parameters stay on the meta device for their whole life: shapes for whoever
+asks, no storage anywhere but the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from megatrain_lightning.blocks import Block, CallSite
+from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.pager import Pager
+from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store import HostStore
+
+
+@dataclass
+class EngineConfig:
+    device: torch.device
+    compute_dtype: torch.dtype = torch.float32
+    num_slots: int = 2
+    prefetch_depth: int = 1
+    activation_checkpointing: bool = True
+    pin_memory: bool = False
+
+
+class Engine:
+    def __init__(self, model: nn.Module, blocks: list[Block], config: EngineConfig) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.config = config
+        self.stats = EngineStats()
+        self.store = HostStore(blocks, pin_memory=config.pin_memory)
+        self.grads = HostGrads(self.store, config.device, self.stats)
+        self.pager = Pager(
+            self.store,
+            config.device,
+            config.compute_dtype,
+            config.num_slots,
+            config.prefetch_depth,
+            self._wait_for_update,
+            self.stats,
+        )
+        self.optimizer: Any = None  # CPUAdamW once fitting
+        self.locations: dict[str, tuple[int, int]] = {}  # qualified parameter name (every alias) -> (block, index)
+        self._meta: list[list[nn.Parameter]] = []
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._original_forwards: dict[CallSite, Callable] = {}
+        self._adopt()
+        self._install()
+        self.update_host_bytes()
+
+    # -- taking the model over --
+
+    def _adopt(self) -> None:
+        """Move each block's weights into the store (or initialize them there) and leave meta parameters."""
+        aliases: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
+        init_hf = _hf_initializer(self.model)
+        for block in self.blocks:
+            views = self.store.views("param", block.index)
+            metas = []
+            needs_init = False
+            for spec, view in zip(block.params, views):
+                original = self._current_param(block, spec_index=len(metas))
+                for name in aliases[id(original)]:
+                    self.locations[name] = (block.index, len(metas))
+                if original.is_meta:
+                    needs_init = True
+                else:
+                    view.copy_(original.detach())
+                metas.append(nn.Parameter(torch.empty(spec.shape, device="meta"), requires_grad=spec.requires_grad))
+            self._meta.append(metas)
+            if needs_init:
+                self._initialize(block, init_hf)
+            self._bind_all(block, self._meta[block.index])
+
+    def _current_param(self, block: Block, spec_index: int) -> nn.Parameter:
+        for site in block.sites:
+            for binding in site.bindings:
+                if binding.index == spec_index:
+                    return binding.owner._parameters[binding.attr]
+        raise AssertionError("every block parameter has a binding")
+
+    def _initialize(self, block: Block, init_hf: Callable[[nn.Module], None] | None) -> None:
+        """Initialize a block built on meta directly in the store, the way its model would."""
+        flat = self.store.flat("param", block.index)
+        flat.zero_()
+        params = [nn.Parameter(v, requires_grad=False) for v in self.store.views("param", block.index)]
+        self._bind_all(block, params)
+        with torch.no_grad():
+            for site in block.sites:
+                for module in site.module.modules():
+                    if init_hf is not None:
+                        init_hf(module)
+                    elif hasattr(module, "reset_parameters"):
+                        module.reset_parameters()
+
+    @staticmethod
+    def _bind_all(block: Block, tensors: list[Tensor]) -> None:
+        for site in block.sites:
+            for binding in site.bindings:
+                binding.owner._parameters[binding.attr] = tensors[binding.index]
+
+    def _install(self) -> None:
+        for block in self.blocks:
+            for site in block.sites:
+                original = site.module.forward
+                self._original_forwards[site] = original
+                site.module.forward = functools.partial(self._paged_forward, site, original)
+
+    def uninstall(self) -> None:
+        """Give the call sites their own forward back (the parameters stay in the store)."""
+        for site, original in self._original_forwards.items():
+            site.module.forward = original
+        self._original_forwards.clear()
+
+    def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.close()
+        self.grads.close()
+        self.pager.close()
+
+    # -- running --
+
+    def begin_pass(self, kind: str) -> None:
+        self.pager.begin_pass(kind)
+        self.stats.trace_deviations = self.pager.trace.deviations
+
+    def wait_all(self) -> None:
+        """Wait until every gradient offload and block update issued so far is done."""
+        self.grads.flush()
+        if self.optimizer is not None:
+            self.optimizer.wait_all()
+
+    def update_host_bytes(self) -> None:
+        self.stats.host_bytes = self.store.nbytes()
+
+    def _wait_for_update(self, block: int) -> None:
+        if self.optimizer is not None:
+            self.optimizer.wait(block)
+
+    def _paged_forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]
+        tensors = [flat[i] for i in positions]
+        trains = any(p.requires_grad for p in site.block.params) or any(t.requires_grad for t in tensors)
+        call = _Call(forward, flat, spec, positions)
+        if not (torch.is_grad_enabled() and trains):
+            with self._resident(site, backward=False, grad=False):
+                return forward(*args, **kwargs)
+        outputs = _PagedCall.apply(self, site, call, self._anchor, *tensors)
+        return call.rebuild_outputs(outputs)
+
+    @contextlib.contextmanager
+    def _resident(self, site: CallSite, backward: bool, grad: bool) -> Iterator[tuple[Tensor, dict[int, Tensor]]]:
+        """Bind ``site``'s parameters to slot views for the duration of the context."""
+        block = site.block
+        slot = self.pager.acquire(block.index, backward)
+        try:
+            tensors = {}
+            for index in site.param_indices:
+                p = block.params[index]
+                view = slot[p.offset : p.offset + p.numel].view(p.shape)
+                tensors[index] = view.detach().requires_grad_(p.requires_grad) if grad else view
+            for binding in site.bindings:
+                binding.owner._parameters[binding.attr] = tensors[binding.index]
+            yield slot, tensors
+        finally:
+            for binding in site.bindings:
+                binding.owner._parameters[binding.attr] = self._meta[block.index][binding.index]
+            self.pager.release(block.index)
+
+    def _offload(self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool) -> None:
+        block = site.block.index
+        found = {index: g for index, g in zip(leaves, grads) if g is not None}
+        ready = functools.partial(self._block_ready, block) if last_use else _nothing
+        if found:
+            self.grads.offload(block, found, ready)
+        else:
+            ready()
+
+    def _block_ready(self, block: int) -> None:
+        if self.optimizer is not None:
+            self.optimizer.block_ready(block)
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call of a call site: the non-tensor arguments, and afterwards the non-tensor outputs."""
+
+    forward: Callable
+    flat: list[Any]
+    spec: Any
+    positions: list[int]
+    out_flat: list[Any] = field(default_factory=list)
+    out_spec: Any = None
+    out_positions: list[int] = field(default_factory=list)
+
+    def run(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+        flat = list(self.flat)
+        for i, t in zip(self.positions, tensors):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, self.spec)
+        out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
+        self.out_positions = [i for i, leaf in enumerate(out_flat) if isinstance(leaf, Tensor)]
+        self.out_flat = [None if i in self.out_positions else leaf for i, leaf in enumerate(out_flat)]
+        return [out_flat[i] for i in self.out_positions]
+
+    def rebuild_outputs(self, tensors: tuple[Tensor, ...]) -> Any:
+        flat = list(self.out_flat)
+        for i, t in zip(self.out_positions, tensors):
+            flat[i] = t
+        return tree_unflatten(flat, self.out_spec)
+
+
+def _detached(tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+
+
+@dataclass(frozen=True)
+class _SlotRef:
+    """A saved tensor that was a view of the block's slot: rebuilt from whichever slot holds it later."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _PagedCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, engine: Engine, site: CallSite, call: _Call, anchor: Tensor, *tensors: Tensor) -> Any:
+        ctx.engine, ctx.site, ctx.call = engine, site, call
+        device_type = engine.config.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        if engine.config.activation_checkpointing:
+            ctx.rng = _rng_state(engine.config.device)
+            with engine._resident(site, backward=False, grad=False):
+                outputs = call.run(tensors)
+            ctx.save_for_backward(*tensors)
+        else:
+            with engine._resident(site, backward=False, grad=True) as (slot, leaves):
+                inputs = _detached(tensors)
+                slot_storage = slot.untyped_storage().data_ptr()
+                ctx.slot_now = None
+
+                def pack(t: Tensor) -> Any:
+                    if t.device == slot.device and t.untyped_storage().data_ptr() == slot_storage:
+                        return _SlotRef(t.size(), t.stride(), t.storage_offset())
+                    return t
+
+                def unpack(saved: Any) -> Tensor:
+                    if isinstance(saved, _SlotRef):
+                        return ctx.slot_now.as_strided(saved.size, saved.stride, saved.offset)
+                    return saved
+
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                    outputs = call.run(inputs)
+            ctx.graph = (outputs, inputs, leaves)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
+        engine: Engine = ctx.engine
+        site, call = ctx.site, ctx.call
+        block = site.block.index
+        checkpointed = engine.config.activation_checkpointing
+        with engine._resident(site, backward=True, grad=checkpointed) as (slot, bound):
+            last_use = engine.pager.is_last_use(block)
+            if checkpointed:
+                inputs = _detached(ctx.saved_tensors)
+                leaves = bound
+                device_type, enabled, dtype = ctx.autocast
+                with (
+                    torch.enable_grad(),
+                    _restored_rng(engine.config.device, ctx.rng),
+                    torch.autocast(device_type, dtype=dtype, enabled=enabled),
+                ):
+                    outputs = call.run(inputs)
+            else:
+                ctx.slot_now = slot
+                outputs, inputs, leaves = ctx.graph
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+            wrt_inputs = [t for t in inputs if t.requires_grad]
+            wrt_leaves = {i: t for i, t in leaves.items() if t.requires_grad}
+            wrt = wrt_inputs + list(wrt_leaves.values())
+            if pairs and wrt:
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+                )
+            else:
+                grads = (None,) * len(wrt)
+        if not checkpointed:
+            del ctx.graph
+        engine._offload(site, wrt_leaves, list(grads[len(wrt_inputs) :]), last_use)
+        input_grads = iter(grads[: len(wrt_inputs)])
+        return (None, None, None, None, *[next(input_grads) if t.requires_grad else None for t in inputs])
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _restored_rng(device: torch.device, state: tuple[Tensor, Tensor | None]) -> Iterator[None]:
+    """Replay the forward's random numbers (dropout) during recomputation, then restore the RNG."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def _hf_initializer(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    """The ``_init_weights`` of the outermost Hugging Face model inside ``model``, if any."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module._init_weights
+    return None

@@ -1,0 +1,3 @@
+from megatrain_lightning.optim.adamw import CPUAdamW
+
+__all__ = ["CPUAdamW"]

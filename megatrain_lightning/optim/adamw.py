@@ -1,0 +1,337 @@
+"""CPU AdamW over the store's flat buffers, one block at a time, in worker threads.
+
+The user's ``torch.optim.AdamW``/``Adam`` is rebuilt as this optimizer with the same param
+groups (which keep pointing at the module's parameters, so LR schedulers and Lightning work
+unchanged), while the numbers live in the store. A block's update is submitted as soon as its
+gradients are final, which during the last backward of an accumulation window is while the
+backward of the other blocks still runs; with gradient clipping the updates wait until the
+global norm is known and then overlap the next forward. Either way a block is fetched again
+only after its update completed (``wait``), so results equal plain PyTorch AdamW.
+
+The update is torch's own functional Adam/AdamW, with the implementation the user chose
+(``foreach``/``fused``; the default on CPU is the single-tensor one), applied to runs of adjacent
+parameters of the flat buffers: the arithmetic, and so the result, is bitwise the reference's.
+``fused=True`` is the fast choice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.adam import adam
+
+from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store import HostStore
+
+_SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+_STATE = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class _GroupHparams:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+    foreach: bool | None  # the implementation the user chose: results match it bitwise
+    fused: bool | None
+
+
+@dataclass(frozen=True)
+class _Clip:
+    value: float | None = None  # clamp each gradient to [-value, value]
+    coef: Tensor | None = None  # multiply each gradient (global-norm clipping)
+
+
+class CPUAdamW(Optimizer):
+    """Adam/AdamW whose state and parameters live in a :class:`HostStore`.
+
+    Args:
+        params: param groups over the module's (meta) parameters, as for ``torch.optim.AdamW``.
+        store: the store holding the master weights; ``exp_avg``/``exp_avg_sq`` are added to it.
+        grads: the host gradient accumulator the engine offloads into.
+        locate: ``id(param) -> (block, index)`` for every parameter in ``params``.
+        before_update: called with a block index right before that block's weights change.
+        decoupled_weight_decay: AdamW (``True``) or Adam with L2 weight decay (``False``).
+        threads: worker threads running block updates.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        store: HostStore,
+        grads: HostGrads,
+        locate: dict[int, tuple[int, int]],
+        before_update: Callable[[int], None] = lambda block: None,
+        stats: EngineStats | None = None,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = True,
+        decoupled_weight_decay: bool = True,
+        threads: int = 1,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach, fused=fused
+        )
+        super().__init__(params, defaults)
+        self.store = store
+        self.grads = grads
+        self.decoupled_weight_decay = decoupled_weight_decay
+        self.defer_updates = False
+        self.stats = stats or EngineStats()
+        self._before_update = before_update
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="megatrain-adamw")
+        self._pending: dict[int, Future] = {}
+        self._submitted: set[int] = set()
+        self._in_step = False
+        self._hparams: list[_GroupHparams] = []
+        self._clip = _Clip()
+        # Per block: (group index, parameter indices) and one step counter per parameter.
+        self._plan: list[list[tuple[int, list[int]]]] = [[] for _ in store.blocks]
+        self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
+        for g, group in enumerate(self.param_groups):
+            by_block: dict[int, list[int]] = {}
+            for p in group["params"]:
+                block, index = locate[id(p)]
+                by_block.setdefault(block, []).append(index)
+                self._order.append((block, index))
+            for block, indices in by_block.items():
+                self._plan[block].append((g, indices))
+        self._steps = [[0] * len(b.params) for b in store.blocks]
+
+    @classmethod
+    def from_optimizer(cls, optimizer: Optimizer, **kwargs: Any) -> CPUAdamW:
+        """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW``."""
+        if type(optimizer) not in _SUPPORTED:
+            raise MisconfigurationException(
+                f"megatrain runs the optimizer on the CPU and supports `torch.optim.AdamW` and `torch.optim.Adam`; "
+                f"`configure_optimizers` returned {type(optimizer).__name__}. Return one of those instead."
+            )
+        if any(group.get("amsgrad") for group in optimizer.param_groups):
+            raise MisconfigurationException("megatrain's CPU AdamW does not support `amsgrad=True`; set it to False.")
+        decoupled = type(optimizer) is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
+        groups = [dict(group) for group in optimizer.param_groups]
+        return cls(groups, decoupled_weight_decay=decoupled, **kwargs)
+
+    # -- stepping --
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (forward + backward; blocks may update during it), then update the rest."""
+        self._hparams = [self._snapshot(group) for group in self.param_groups]
+        self._in_step = True
+        try:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+        finally:
+            self._in_step = False
+        self.grads.flush()
+        for block in range(len(self.store.blocks)):
+            if block not in self._submitted and self.grads.present(block):
+                self._submit(block)
+        self._submitted.clear()
+        self._clip = _Clip()
+        return loss
+
+    def block_ready(self, block: int) -> None:
+        """The engine's signal that ``block``'s gradients are final for this backward."""
+        if self._in_step and not self.defer_updates:
+            self._submit(block)
+
+    def wait(self, block: int) -> None:
+        """Block until ``block``'s pending update (if any) has been applied."""
+        future = self._pending.get(block)
+        if future is not None and not future.done():
+            start = time.perf_counter()
+            future.result()
+            self.stats.optimizer_wait_s += time.perf_counter() - start
+        elif future is not None:
+            future.result()
+
+    def wait_all(self) -> None:
+        for block in list(self._pending):
+            self.wait(block)
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait_all()
+        self.grads.clear()
+
+    def close(self) -> None:
+        self.wait_all()
+        self._pool.shutdown(wait=True)
+
+    # -- clipping (called by the precision plugin after the closure) --
+
+    def _check_can_clip(self) -> None:
+        if self._submitted:
+            raise RuntimeError(
+                "megatrain: gradients were clipped after some blocks were already updated. Set "
+                "`Trainer(gradient_clip_val=...)` (or override `configure_gradient_clipping` before fit) so that "
+                "the strategy defers updates until the gradients are final."
+            )
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        self._check_can_clip()
+        self._clip = _Clip(value=float(clip_value), coef=self._clip.coef)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global-norm clipping with exactly ``torch.nn.utils.clip_grad_norm_``'s arithmetic."""
+        self._check_can_clip()
+        self.grads.flush()
+        present = [set(self.grads.present(b)) for b in range(len(self.store.blocks))]
+        grads = [self.store.views("grad", b)[i] for b, i in self._order if i in present[b]]
+        if not grads:
+            return torch.tensor(0.0)
+        if self._clip.value is not None:
+            self._clamp(grads, self._clip.value)
+            self._clip = _Clip()
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._clip = _Clip(coef=coef)
+        return total
+
+    # -- internals --
+
+    @staticmethod
+    def _snapshot(group: dict[str, Any]) -> _GroupHparams:
+        beta1, beta2 = group["betas"]
+        return _GroupHparams(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            maximize=bool(group.get("maximize", False)),
+            foreach=group.get("foreach"),
+            fused=group.get("fused"),
+        )
+
+    @staticmethod
+    def _clamp(grads: list[Tensor], value: float) -> None:
+        torch._foreach_clamp_min_(grads, -value)
+        torch._foreach_clamp_max_(grads, value)
+
+    def _submit(self, block: int) -> None:
+        self._submitted.add(block)
+        future: Future = Future()
+        self._pending[block] = future
+        self._before_update(block)
+        self._pool.submit(self._run, block, future, self._hparams, self._clip)
+
+    def _run(self, block: int, future: Future, hparams: list[_GroupHparams], clip: _Clip) -> None:
+        try:
+            start = time.perf_counter()
+            self._update(block, hparams, clip)
+            self.stats.optimizer_s += time.perf_counter() - start
+            future.set_result(None)
+        except BaseException as err:  # re-raised in whoever waits for this block
+            future.set_exception(err)
+
+    def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
+        present = set(self.grads.present(block))
+        if not self.store.has("exp_avg", block):
+            for kind in _STATE:
+                self.store.flat(kind, block, zero=True)
+        flats = [self.store.flat(kind, block) for kind in ("param", "grad", *_STATE)]
+        steps = self._steps[block]
+        for group, indices in self._plan[block]:
+            runs = self._runs(block, [i for i in indices if i in present])
+            if not runs:
+                continue
+            params, grads, exp_avgs, exp_avg_sqs = ([f[a:b] for a, b, _ in runs] for f in flats)
+            if clip.value is not None:
+                self._clamp(grads, clip.value)
+            if clip.coef is not None:
+                torch._foreach_mul_(grads, clip.coef)
+            h = hparams[group]
+            adam(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                [torch.tensor(float(steps[members[0]])) for _, _, members in runs],
+                foreach=h.foreach,
+                fused=h.fused,
+                decoupled_weight_decay=self.decoupled_weight_decay,
+                amsgrad=False,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                lr=h.lr,
+                weight_decay=h.weight_decay,
+                eps=h.eps,
+                maximize=h.maximize,
+            )
+            for _, _, members in runs:
+                for i in members:
+                    steps[i] += 1
+
+    def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
+        """Adjacent parameters with equal step counts, merged: ``(start, end, members)`` in the flat buffer.
+
+        Adam's arithmetic is elementwise, so one run computes bitwise what its parameters would one by one.
+        """
+        specs = self.store.blocks[block].params
+        steps = self._steps[block]
+        runs: list[tuple[int, int, list[int]]] = []
+        for i in sorted(indices, key=lambda i: specs[i].offset):
+            p = specs[i]
+            if runs and runs[-1][1] == p.offset and steps[runs[-1][2][0]] == steps[i]:
+                runs[-1] = (runs[-1][0], p.offset + p.numel, [*runs[-1][2], i])
+            else:
+                runs.append((p.offset, p.offset + p.numel, [i]))
+        return runs
+
+    # -- state dict, in torch.optim.AdamW's format --
+
+    def state_dict(self) -> dict[str, Any]:
+        self.wait_all()
+        state: dict[int, dict[str, Tensor]] = {}
+        for i, (block, index) in enumerate(self._order):
+            step = self._steps[block][index]
+            if step == 0:
+                continue
+            views = [self.store.views(kind, block)[index] for kind in _STATE]
+            state[i] = {"step": torch.tensor(float(step)), "exp_avg": views[0], "exp_avg_sq": views[1]}
+        groups, start = [], 0
+        for group in self.param_groups:
+            entry = {k: v for k, v in group.items() if k != "params"}
+            entry["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(entry)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait_all()
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("megatrain: the optimizer state does not match this model's param groups")
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for i, (block, index) in enumerate(self._order):
+            saved = state_dict["state"].get(i, state_dict["state"].get(str(i)))
+            if saved is None:
+                self._steps[block][index] = 0
+                continue
+            self._steps[block][index] = int(saved["step"])
+            for kind in _STATE:
+                self.store.flat(kind, block, zero=True)
+                self.store.views(kind, block)[index].copy_(saved[kind])

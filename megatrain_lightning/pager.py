@@ -1,0 +1,191 @@
+"""The pager: a fixed pool of device slots that blocks are copied into while they are needed.
+
+A slot holds one block's parameters in the compute dtype. ``acquire`` makes a block resident
+and pins it; ``release`` unpins it, but the copy stays cached until a slot is needed for
+another block or the block's weights change (``invalidate``). While the trace predicts the
+future, free slots are filled ahead of time by one worker thread (on CUDA through a copy stream
+whose copies the compute stream waits for by event), and the evicted block is the one needed
+farthest in the future (Belady).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store import HostStore
+from megatrain_lightning.trace import Trace
+
+_NEVER = float("inf")
+
+
+class _Slot:
+    def __init__(self, buf: Tensor) -> None:
+        self.buf = buf
+        self.block: int | None = None
+        self.pins = 0
+        self.ready: Future | None = None
+        self.stale = False
+        cuda = buf.is_cuda
+        self.copied = torch.cuda.Event() if cuda else None
+        self.released = torch.cuda.Event() if cuda else None
+
+    @property
+    def loading(self) -> bool:
+        return self.ready is not None and not self.ready.done()
+
+
+class Pager:
+    def __init__(
+        self,
+        store: HostStore,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_slots: int,
+        prefetch_depth: int,
+        wait_for_update: Callable[[int], None],
+        stats: EngineStats,
+    ) -> None:
+        self.store = store
+        self.device = device
+        self.dtype = dtype
+        self.prefetch_depth = prefetch_depth
+        self.trace = Trace()
+        self.stats = stats
+        self._wait_for_update = wait_for_update
+        slot_numel = max(b.numel for b in store.blocks)
+        self._slots = [_Slot(torch.empty(slot_numel, dtype=dtype, device=device)) for _ in range(num_slots)]
+        self._resident: dict[int, _Slot] = {}
+        self._cond = threading.Condition()
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-prefetch")
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def begin_pass(self, kind: str) -> None:
+        with self._cond:
+            self.trace.begin_pass(kind)
+
+    def acquire(self, block: int, backward: bool) -> Tensor:
+        """Make ``block`` resident, pin it and return its slot (flat, ``block.numel`` long)."""
+        start = time.perf_counter()
+        with self._cond:
+            self.trace.access((block, backward))
+            slot = self._resident.get(block)
+            load_here = slot is None
+            if load_here:
+                slot = self._claim(block, _NEVER, demand=True)
+                slot.ready = Future()
+            slot.pins += 1
+            self._prefetch_ahead()
+        if load_here:
+            self._load(slot, block, slot.ready)
+        slot.ready.result()
+        if slot.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.copied)
+        self.stats.fetch_wait_s += time.perf_counter() - start
+        return slot.buf[: self.store.blocks[block].numel]
+
+    def release(self, block: int) -> None:
+        with self._cond:
+            slot = self._resident[block]
+            slot.pins -= 1
+            if slot.released is not None:
+                slot.released.record(torch.cuda.current_stream(self.device))
+            self._cond.notify_all()
+
+    def invalidate(self, block: int) -> None:
+        """Forget the cached copy of ``block``: its master weights are about to change."""
+        with self._cond:
+            slot = self._resident.pop(block, None)
+            if slot is None:
+                return
+            if slot.pins:
+                raise RuntimeError(f"megatrain: block {block} changed while in use on the device")
+            if slot.loading:
+                slot.stale = True
+            else:
+                slot.block = None
+
+    def is_last_use(self, block: int) -> bool:
+        with self._cond:
+            return self.trace.is_last_use(block)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # -- internals (called with the lock held unless said otherwise) --
+
+    def _next_uses(self) -> dict[int, int]:
+        uses: dict[int, int] = {}
+        for i, (block, _) in enumerate(self.trace.upcoming()):
+            uses.setdefault(block, i)
+        return uses
+
+    def _claim(self, block: int, need_at: float, demand: bool) -> _Slot | None:
+        """A slot for ``block``: an empty one, else the cached block used farthest in the future."""
+        while True:
+            uses = self._next_uses()
+            free = [s for s in self._slots if not s.pins and not s.loading]
+            victim = min(free, key=lambda s: (s.block is not None, -uses.get(s.block, _NEVER)), default=None)
+            if victim is not None and (demand or victim.block is None or uses.get(victim.block, _NEVER) > need_at):
+                if victim.block is not None:
+                    del self._resident[victim.block]
+                victim.block, victim.stale = block, False
+                self._resident[block] = victim
+                self._note_peak()
+                return victim
+            if not demand:
+                return None
+            if not any(s.loading for s in self._slots):
+                raise RuntimeError(
+                    f"megatrain: all {len(self._slots)} device slots are pinned; raise `max_vram_gb` so that "
+                    "more blocks fit at once"
+                )
+            self._cond.wait()
+
+    def _prefetch_ahead(self) -> None:
+        uses = self._next_uses()
+        wanted = [b for b in uses if b not in self._resident][: self.prefetch_depth]
+        for block in sorted(wanted, key=uses.get):
+            slot = self._claim(block, uses[block], demand=False)
+            if slot is None:
+                break
+            slot.ready = Future()
+            self._worker.submit(self._load, slot, block, slot.ready)
+
+    def _load(self, slot: _Slot, block: int, ready: Future) -> None:
+        """Copy ``block``'s master weights into ``slot`` (lock not held)."""
+        try:
+            self._wait_for_update(block)
+            src = self.store.flat("param", block)
+            dst = slot.buf[: src.numel()]
+            start = time.perf_counter()
+            if self._copy_stream is not None:
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(slot.released)
+                    dst.copy_(src, non_blocking=True)
+                    slot.copied.record(self._copy_stream)
+            else:
+                dst.copy_(src)
+            self.stats.h2d_s += time.perf_counter() - start
+            self.stats.h2d_bytes += src.numel() * src.element_size()
+            ready.set_result(None)
+        except BaseException as err:  # surfaces in the waiting compute thread
+            ready.set_exception(err)
+        with self._cond:
+            if slot.stale:
+                slot.block, slot.stale = None, False
+            self._cond.notify_all()
+
+    def _note_peak(self) -> None:
+        held = sum(self.store.blocks[s.block].numel for s in self._slots if s.block is not None)
+        self.stats.peak_slot_bytes = max(self.stats.peak_slot_bytes, held * self.dtype.itemsize)

@@ -1,0 +1,21 @@
+"""Counters the engine keeps while it runs (``trainer.strategy.stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    peak_slot_bytes: int = 0  # most parameter bytes ever resident in device slots at once
+    fetch_wait_s: float = 0.0  # compute-thread time spent waiting for a block to become resident
+    host_bytes: int = 0  # bytes the store holds: master weights, gradients, optimizer state
+    h2d_bytes: int = 0  # parameter bytes copied host -> device slots
+    h2d_s: float = 0.0  # time spent in those copies (worker and compute threads)
+    d2h_bytes: int = 0  # gradient bytes copied device -> host
+    optimizer_s: float = 0.0  # time spent in block updates (worker threads)
+    optimizer_wait_s: float = 0.0  # compute-thread time spent waiting for block updates
+    trace_deviations: int = 0  # passes that left the recorded block order
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)

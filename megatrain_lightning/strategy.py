@@ -1,0 +1,350 @@
+"""``MegaTrainStrategy``: the Lightning glue around the engine (``Trainer(strategy="megatrain")``)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Generator, Iterable, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.engine import Engine, EngineConfig
+from megatrain_lightning.optim import CPUAdamW
+from megatrain_lightning.precision import MegaTrainPrecision
+from megatrain_lightning.stats import EngineStats
+
+_GB = 1e9
+COMPRESSIONS = ("none",)
+
+
+def _budget(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise MisconfigurationException(f"`{name}` must be a positive number of GB or None; got {value!r}.")
+    return float(value)
+
+
+class MegaTrainStrategy(SingleDeviceStrategy):
+    """Train a model larger than device memory: weights and optimizer state live in host memory, blocks
+    stream through a fixed pool of device slots, gradients stream back, a CPU AdamW updates the weights.
+
+    Args:
+        max_vram_gb: device memory for parameter slots, in GB. ``None``: all of the device's free memory
+            minus a fifth for activations on CUDA, the whole model on CPU.
+        max_cpu_gb: host memory budget for the store in GB (the disk tier's cache size).
+        offload_dir: directory for the disk tier (must be a directory or creatable).
+        optimizer_compression: ``"none"``.
+        block_classes: classes (or class names) of the repeated layers; default: the Hugging Face
+            model's ``_no_split_modules``.
+        activation_checkpointing: keep only block-boundary activations and recompute each block in backward.
+        prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow).
+        optimizer_threads: worker threads for block updates.
+    """
+
+    strategy_name = "megatrain"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        max_vram_gb: float | None = None,
+        max_cpu_gb: float | None = None,
+        offload_dir: str | os.PathLike | None = None,
+        optimizer_compression: str | bool = "none",
+        block_classes: Iterable[str | type[nn.Module]] | None = None,
+        activation_checkpointing: bool = True,
+        prefetch_depth: int | str = "auto",
+        optimizer_threads: int = 1,
+        precision_plugin: Precision | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device="cpu", accelerator=accelerator, precision_plugin=precision_plugin, **kwargs)
+        self._root_device = None
+        self._parallel_devices: list[torch.device] | None = None
+        self.max_vram_gb = _budget("max_vram_gb", max_vram_gb)
+        self.max_cpu_gb = _budget("max_cpu_gb", max_cpu_gb)
+        self.offload_dir = self._check_offload_dir(offload_dir)
+        if optimizer_compression is False:
+            optimizer_compression = "none"
+        if optimizer_compression not in COMPRESSIONS:
+            raise MisconfigurationException(
+                f"`optimizer_compression` must be one of {COMPRESSIONS}; got {optimizer_compression!r}."
+            )
+        self.optimizer_compression = optimizer_compression
+        self.block_classes = list(block_classes) if block_classes else None
+        self.activation_checkpointing = bool(activation_checkpointing)
+        if prefetch_depth != "auto" and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
+                                         or prefetch_depth < 0):
+            raise MisconfigurationException(f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}.")
+        self.prefetch_depth = prefetch_depth
+        if not isinstance(optimizer_threads, int) or optimizer_threads < 1:
+            raise MisconfigurationException(f"`optimizer_threads` must be an int >= 1; got {optimizer_threads!r}.")
+        self.optimizer_threads = optimizer_threads
+        self.engine: Engine | None = None
+
+    @staticmethod
+    def _check_offload_dir(path: str | os.PathLike | None) -> str | None:
+        if path is None:
+            return None
+        path = os.fspath(path)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise MisconfigurationException(f"`offload_dir={path!r}` exists and is not a directory.")
+        return path
+
+    # -- devices --
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices and len(devices) > 1:
+            raise MisconfigurationException(
+                f"megatrain trains on one device; got {len(devices)}. Set `Trainer(devices=1)`."
+            )
+        self._parallel_devices = devices
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._parallel_devices:
+            return self._parallel_devices[0]
+        return torch.device("cpu")
+
+    # -- precision: a string precision from the Trainer arrives as a generic plugin; make it ours --
+
+    @property
+    @override
+    def precision_plugin(self) -> MegaTrainPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else MegaTrainPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, MegaTrainPrecision):
+            plugin = MegaTrainPrecision(plugin.precision, device=getattr(plugin, "device", None))
+        self._precision_plugin = plugin
+
+    @property
+    def stats(self) -> EngineStats:
+        """Engine counters (``peak_slot_bytes``, ``fetch_wait_s``, ``host_bytes``, ...)."""
+        return self.engine.stats if self.engine is not None else EngineStats()
+
+    # -- building --
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Parameters created here go to the meta device; buffers stay real (on the CPU)."""
+        with _meta_parameters(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if self.engine is None or self.engine.model is not module:
+            self.engine = self._build_engine(module)
+        self.precision_plugin.device = self.root_device.type
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _build_engine(self, module: pl.LightningModule) -> Engine:
+        blocks = discover_blocks(module, self.block_classes)
+        dtype = self.precision_plugin.compute_dtype
+        slot_bytes = max(b.numel for b in blocks) * dtype.itemsize
+        num_slots = self._num_slots(slot_bytes, sum(b.numel for b in blocks) * dtype.itemsize, len(blocks))
+        depth = max(num_slots - 1, 1) if self.prefetch_depth == "auto" else self.prefetch_depth
+        config = EngineConfig(
+            device=self.root_device,
+            compute_dtype=dtype,
+            num_slots=num_slots,
+            prefetch_depth=depth,
+            activation_checkpointing=self.activation_checkpointing,
+            pin_memory=self.root_device.type == "cuda",
+        )
+        return Engine(module, blocks, config)
+
+    def _num_slots(self, slot_bytes: int, model_bytes: int, num_blocks: int) -> int:
+        if self.max_vram_gb is None:
+            budget = float(model_bytes)
+            if self.root_device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.root_device)
+                budget = min(budget, 0.8 * free)
+        else:
+            budget = self.max_vram_gb * _GB
+        slots = int(budget // slot_bytes)
+        if slots < 1:
+            raise MisconfigurationException(
+                f"`max_vram_gb={self.max_vram_gb}` is smaller than the largest block ({slot_bytes / _GB:.3g} GB in "
+                f"the compute dtype). Raise it to at least {math.ceil(slot_bytes / _GB * 100) / 100} GB."
+            )
+        return min(slots, num_blocks)
+
+    @override
+    def model_to_device(self) -> None:
+        """Only buffers move: parameters live in the store and visit the device through slots."""
+        assert self.model is not None
+        device = self.root_device
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        engine = self.engine
+        assert engine is not None
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"megatrain supports one optimizer; `configure_optimizers` returned {len(self.optimizers)}."
+            )
+        module = self.lightning_module
+        locate = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            locate[id(param)] = engine.locations[name]
+        optimizer = CPUAdamW.from_optimizer(
+            self.optimizers[0],
+            store=engine.store,
+            grads=engine.grads,
+            locate=locate,
+            before_update=engine.pager.invalidate,
+            stats=engine.stats,
+            threads=self.optimizer_threads,
+        )
+        optimizer.defer_updates = bool(trainer.gradient_clip_val) or is_overridden(
+            "configure_gradient_clipping", module, pl.LightningModule
+        )
+        if engine.optimizer is not None:
+            engine.optimizer.close()
+        engine.optimizer = optimizer
+        for config in self.lr_scheduler_configs:
+            config.scheduler.optimizer = optimizer
+        self.optimizers = [optimizer]
+
+    # -- steps: each begins a pass of the trace --
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.begin_pass("train")
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def post_training_step(self) -> None:
+        self.engine.update_host_bytes()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_eval("validate")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_eval("test")
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_eval("predict")
+        return super().predict_step(*args, **kwargs)
+
+    def _begin_eval(self, kind: str) -> None:
+        self.engine.wait_all()
+        self.engine.begin_pass(kind)
+
+    # -- state --
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full fp32 weights (views of the store, like a plain ``state_dict`` aliases parameters)."""
+        engine = self.engine
+        module = self.lightning_module
+        assert module is not None
+        if engine is None:
+            return module.state_dict()
+        engine.wait_all()
+        state = module.state_dict()
+        for name in state:
+            if name in engine.locations:
+                block, index = engine.locations[name]
+                state[name] = engine.store.views("param", block)[index]
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        engine = self.engine
+        module = self.lightning_module
+        assert module is not None
+        if engine is None:
+            module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        engine.wait_all()
+        state = checkpoint["state_dict"]
+        missing = [n for n in engine.locations if n not in state]
+        if strict and missing:
+            raise KeyError(f"megatrain: the checkpoint lacks parameters {missing[:5]}")
+        for name, (block, index) in engine.locations.items():
+            if name in state:
+                engine.store.views("param", block)[index].copy_(state[name])
+        buffers = {k: v for k, v in state.items() if k not in engine.locations}
+        module.load_state_dict(buffers, strict=False)
+        for block in engine.blocks:
+            engine.pager.invalidate(block.index)
+
+    # -- the end --
+
+    @override
+    def teardown(self) -> None:
+        """Wait for pending updates and move buffers back; the store stays, so ``state_dict`` still works."""
+        if self.engine is not None:
+            self.engine.wait_all()
+        if self.lightning_module is not None:
+            for module in self.lightning_module.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.cpu()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Block-paged training of models larger than GPU memory")
+
+
+@contextlib.contextmanager
+def _meta_parameters() -> Generator[None, None, None]:
+    """Create parameters on the meta device and buffers for real (``init_empty_weights`` style)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            meta = module._parameters[name].to("meta")
+            module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

@@ -1,0 +1,53 @@
+"""The trace: the order in which blocks were needed in one pass, recorded and replayed.
+
+A pass is one micro-batch's forward and backward (or one evaluation step's forward). The last
+complete pass of each kind predicts the next one; while the accesses match it, the pager can
+fetch ahead. A deviation stops prediction for the rest of the pass, and the new order is what
+the next pass will follow.
+"""
+
+from __future__ import annotations
+
+Access = tuple[int, bool]  # (block index, is backward)
+
+
+class Trace:
+    def __init__(self) -> None:
+        self._recorded: dict[str, list[Access]] = {}
+        self._current: dict[str, list[Access]] = {}
+        self._kind = ""
+        self._replay: list[Access] = []
+        self._last_use: dict[int, int] = {}
+        self._pos = -1
+        self.following = False
+        self.deviations = 0
+
+    def begin_pass(self, kind: str) -> None:
+        """Start a pass; the previous complete pass of ``kind`` becomes the prediction."""
+        if self._current.get(kind):
+            self._recorded[kind] = self._current[kind]
+        self._current[kind] = []
+        self._kind = kind
+        self._replay = self._recorded.get(kind, [])
+        self._last_use = {block: i for i, (block, _) in enumerate(self._replay)}
+        self._pos = -1
+        self.following = bool(self._replay)
+
+    def access(self, access: Access) -> None:
+        self._current.setdefault(self._kind, []).append(access)
+        if not self.following:
+            return
+        nxt = self._pos + 1
+        if nxt < len(self._replay) and self._replay[nxt] == access:
+            self._pos = nxt
+        else:
+            self.following = False
+            self.deviations += 1
+
+    def upcoming(self) -> list[Access]:
+        """Predicted accesses after the current one (empty when not following)."""
+        return self._replay[self._pos + 1 :] if self.following else []
+
+    def is_last_use(self, block: int) -> bool:
+        """True when the current access is, by the prediction, this pass's last use of ``block``."""
+        return self.following and self._last_use.get(block) == self._pos
