@@ -33,11 +33,13 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class Binding:
-    """``owner.<attr>`` must read block parameter ``index`` while the call site runs."""
+    """``owner.<attr>`` must read block parameter ``index`` while the call site runs; ``name`` is the
+    parameter's name relative to the call site's module (its ``state_dict`` key there)."""
 
     owner: nn.Module
     attr: str
     index: int
+    name: str
 
 
 @dataclass(eq=False)
@@ -98,15 +100,19 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     # Modules outside every block that own parameters directly each become a call site.
     owners: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        if not in_block(name) and module._parameters and any(p is not None for p in module._parameters.values()):
+        if (
+            not in_block(name)
+            and module._parameters
+            and any(p is not None for p in module._parameters.values())
+        ):
             owners.setdefault(name, module)
-    for name, module in owners.items():
+    for name in owners:
         nested = [r for r in block_roots if name == "" or r.startswith(name + ".")]
         if nested:
             raise MisconfigurationException(
                 f"Module `{name or type(model).__name__}` owns parameters and also contains the blocks "
-                f"{nested[:2]}...; megatrain cannot page it. Name it in `block_classes` or move its parameters "
-                "into a submodule."
+                f"{nested[:2]}...; megatrain cannot page it. Name it in `block_classes` or move its "
+                "parameters into a submodule."
             )
 
     order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
@@ -121,14 +127,14 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
         return x
 
     first_site: dict[int, str] = {}
-    site_params: dict[str, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+    site_params: dict[str, list[tuple[nn.Module, str, str, nn.Parameter]]] = {}
     for site_name, module in sites.items():
         entries = []
         for sub_name, sub in module.named_modules(remove_duplicate=False):
             for attr, param in sub._parameters.items():
                 if param is None:
                     continue
-                entries.append((sub, attr, param))
+                entries.append((sub, attr, f"{sub_name}.{attr}" if sub_name else attr, param))
                 other = first_site.setdefault(id(param), site_name)
                 parent[find(site_name)] = find(other)
         site_params[site_name] = entries
@@ -145,14 +151,16 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
         offset = 0
         for site_name in members:
             bindings = []
-            for owner, attr, param in site_params[site_name]:
+            for owner, attr, relative, param in site_params[site_name]:
                 if id(param) not in slots:
                     slots[id(param)] = len(block.params)
                     block.params.append(
-                        ParamSpec(qualified[id(param)], param.shape, offset, param.numel(), param.requires_grad)
+                        ParamSpec(
+                            qualified[id(param)], param.shape, offset, param.numel(), param.requires_grad
+                        )
                     )
                     offset += param.numel()
-                bindings.append(Binding(owner, attr, slots[id(param)]))
+                bindings.append(Binding(owner, attr, slots[id(param)], relative))
             block.sites.append(CallSite(sites[site_name], site_name, block, bindings))
         blocks.append(block)
     return blocks

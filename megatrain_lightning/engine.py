@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +22,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from megatrain_lightning.blocks import Block, CallSite
+from megatrain_lightning.blocks import Block, CallSite, discover_blocks
 from megatrain_lightning.grads import HostGrads
 from megatrain_lightning.pager import Pager
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
@@ -38,15 +39,59 @@ class EngineConfig:
     pin_memory: bool = False
 
 
+# The engine that holds a module's weights, for as long as the module lives: a later Trainer (or
+# strategy) over the same module continues from the same store instead of finding meta parameters.
+_ENGINES: weakref.WeakKeyDictionary[nn.Module, Engine] = weakref.WeakKeyDictionary()
+
+
 class Engine:
     def __init__(self, model: nn.Module, blocks: list[Block], config: EngineConfig) -> None:
-        self.model = model
         self.blocks = blocks
-        self.config = config
         self.stats = EngineStats()
         self.store = HostStore(blocks, pin_memory=config.pin_memory)
         self.grads = HostGrads(self.store, config.device, self.stats)
-        self.pager = Pager(
+        self.optimizer: Any = None  # CPUAdamW once fitting
+        self.locations: dict[
+            str, tuple[int, int]
+        ] = {}  # qualified parameter name (every alias) -> (block, index)
+        self._meta: list[list[nn.Parameter]] = []
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see _load_hook)
+        self.config = config
+        self.pager = self._make_pager(config)
+        self._adopt(model)
+        self._install()
+        self.update_host_bytes()
+
+    @classmethod
+    def attach(
+        cls,
+        model: nn.Module,
+        block_classes: Iterable[str | type] | None,
+        make_config: Callable[[list[Block]], EngineConfig],
+    ) -> Engine:
+        """The engine of ``model``: created on first use, reconfigured (same store) afterwards."""
+        engine = _ENGINES.get(model)
+        if engine is None:
+            blocks = discover_blocks(model, block_classes)
+            engine = _ENGINES[model] = cls(model, blocks, make_config(blocks))
+        else:
+            engine.configure(make_config(engine.blocks))
+        return engine
+
+    def configure(self, config: EngineConfig) -> None:
+        """New device, dtype or slot budget; the store, and so the weights, stay."""
+        if config == self.config:
+            return
+        if config.device != self.config.device or config.pin_memory != self.config.pin_memory:
+            raise RuntimeError("megatrain: a model's store cannot move to another device type once built")
+        self.wait_all()
+        self.pager.close()
+        self.config = config
+        self.pager = self._make_pager(config)
+
+    def _make_pager(self, config: EngineConfig) -> Pager:
+        return Pager(
             self.store,
             config.device,
             config.compute_dtype,
@@ -55,28 +100,20 @@ class Engine:
             self._wait_for_update,
             self.stats,
         )
-        self.optimizer: Any = None  # CPUAdamW once fitting
-        self.locations: dict[str, tuple[int, int]] = {}  # qualified parameter name (every alias) -> (block, index)
-        self._meta: list[list[nn.Parameter]] = []
-        self._anchor = torch.zeros((), requires_grad=True)
-        self._original_forwards: dict[CallSite, Callable] = {}
-        self._adopt()
-        self._install()
-        self.update_host_bytes()
 
     # -- taking the model over --
 
-    def _adopt(self) -> None:
+    def _adopt(self, model: nn.Module) -> None:
         """Move each block's weights into the store (or initialize them there) and leave meta parameters."""
         aliases: dict[int, list[str]] = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
+        for name, param in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(param), []).append(name)
-        init_hf = _hf_initializer(self.model)
+        init_hf = _hf_initializer(model)
         for block in self.blocks:
             views = self.store.views("param", block.index)
             metas = []
             needs_init = False
-            for spec, view in zip(block.params, views):
+            for spec, view in zip(block.params, views, strict=True):
                 original = self._current_param(block, spec_index=len(metas))
                 for name in aliases[id(original)]:
                     self.locations[name] = (block.index, len(metas))
@@ -84,7 +121,9 @@ class Engine:
                     needs_init = True
                 else:
                     view.copy_(original.detach())
-                metas.append(nn.Parameter(torch.empty(spec.shape, device="meta"), requires_grad=spec.requires_grad))
+                metas.append(
+                    nn.Parameter(torch.empty(spec.shape, device="meta"), requires_grad=spec.requires_grad)
+                )
             self._meta.append(metas)
             if needs_init:
                 self._initialize(block, init_hf)
@@ -118,19 +157,45 @@ class Engine:
                 binding.owner._parameters[binding.attr] = tensors[binding.index]
 
     def _install(self) -> None:
+        """Page each call site's forward; its ``state_dict``/``load_state_dict`` read and write the store."""
         for block in self.blocks:
             for site in block.sites:
-                original = site.module.forward
-                self._original_forwards[site] = original
-                site.module.forward = functools.partial(self._paged_forward, site, original)
+                site.module.forward = functools.partial(self._paged_forward, site, site.module.forward)
+                site.module._register_state_dict_hook(functools.partial(self._state_dict_hook, site))
+                site.module._register_load_state_dict_pre_hook(functools.partial(self._load_hook, site))
+                site.module.register_load_state_dict_post_hook(self._forget_loaded_keys)
 
-    def uninstall(self) -> None:
-        """Give the call sites their own forward back (the parameters stay in the store)."""
-        for site, original in self._original_forwards.items():
-            site.module.forward = original
-        self._original_forwards.clear()
+    def _state_dict_hook(
+        self, site: CallSite, module: nn.Module, state: dict, prefix: str, meta: Any
+    ) -> None:
+        self.wait_all()
+        views = self.store.views("param", site.block.index)
+        for binding in site.bindings:
+            key = prefix + binding.name
+            if key in state:
+                state[key] = views[binding.index]
+
+    def _load_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        """Copy incoming weights into the store and take their keys out of the module's hands (its
+        parameters are meta); a wrong shape is left for the module to report as usual."""
+        self.wait_all()
+        block = site.block.index
+        views = self.store.views("param", block)
+        for binding in site.bindings:
+            key = prefix + binding.name
+            value = state.get(key)
+            if value is not None and value.shape == views[binding.index].shape:
+                views[binding.index].copy_(value)
+                del state[key]
+                self._loaded_keys.add(key)
+        self.pager.invalidate(block)
+
+    def _forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded_keys]
+        self._loaded_keys.clear()
 
     def close(self) -> None:
+        """Stop the worker threads (the store stays readable)."""
         if self.optimizer is not None:
             self.optimizer.close()
         self.grads.close()
@@ -139,6 +204,7 @@ class Engine:
     # -- running --
 
     def begin_pass(self, kind: str) -> None:
+        self.grads.flush()
         self.pager.begin_pass(kind)
         self.stats.trace_deviations = self.pager.trace.deviations
 
@@ -168,7 +234,9 @@ class Engine:
         return call.rebuild_outputs(outputs)
 
     @contextlib.contextmanager
-    def _resident(self, site: CallSite, backward: bool, grad: bool) -> Iterator[tuple[Tensor, dict[int, Tensor]]]:
+    def _resident(
+        self, site: CallSite, backward: bool, grad: bool
+    ) -> Iterator[tuple[Tensor, dict[int, Tensor]]]:
         """Bind ``site``'s parameters to slot views for the duration of the context."""
         block = site.block
         slot = self.pager.acquire(block.index, backward)
@@ -186,12 +254,17 @@ class Engine:
                 binding.owner._parameters[binding.attr] = self._meta[block.index][binding.index]
             self.pager.release(block.index)
 
-    def _offload(self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool) -> None:
-        block = site.block.index
-        found = {index: g for index, g in zip(leaves, grads) if g is not None}
-        ready = functools.partial(self._block_ready, block) if last_use else _nothing
+    def _offload(
+        self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool
+    ) -> None:
+        """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer."""
+        block = site.block
+        found = {index: g for index, g in zip(leaves, grads, strict=True) if g is not None}
+        ready = functools.partial(self._block_ready, block.index) if last_use else _nothing
         if found:
-            self.grads.offload(block, found, ready)
+            # Without a trace to say otherwise, a block with one call site is used once per pass.
+            final = last_use or (not self.pager.trace.following and len(block.sites) == 1)
+            self.grads.offload(block.index, found, final, ready)
         else:
             ready()
 
@@ -218,7 +291,7 @@ class _Call:
 
     def run(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
         flat = list(self.flat)
-        for i, t in zip(self.positions, tensors):
+        for i, t in zip(self.positions, tensors, strict=True):
             flat[i] = t
         args, kwargs = tree_unflatten(flat, self.spec)
         out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
@@ -228,7 +301,7 @@ class _Call:
 
     def rebuild_outputs(self, tensors: tuple[Tensor, ...]) -> Any:
         flat = list(self.out_flat)
-        for i, t in zip(self.out_positions, tensors):
+        for i, t in zip(self.out_positions, tensors, strict=True):
             flat[i] = t
         return tree_unflatten(flat, self.out_spec)
 
@@ -248,10 +321,16 @@ class _SlotRef:
 
 class _PagedCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, engine: Engine, site: CallSite, call: _Call, anchor: Tensor, *tensors: Tensor) -> Any:
+    def forward(
+        ctx: Any, engine: Engine, site: CallSite, call: _Call, anchor: Tensor, *tensors: Tensor
+    ) -> Any:
         ctx.engine, ctx.site, ctx.call = engine, site, call
         device_type = engine.config.device.type
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.autocast = (
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
         if engine.config.activation_checkpointing:
             ctx.rng = _rng_state(engine.config.device)
             with engine._resident(site, backward=False, grad=False):
@@ -301,7 +380,11 @@ class _PagedCall(torch.autograd.Function):
             else:
                 ctx.slot_now = slot
                 outputs, inputs, leaves = ctx.graph
-            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+            pairs = [
+                (o, g)
+                for o, g in zip(outputs, grad_outputs, strict=True)
+                if g is not None and o.requires_grad
+            ]
             wrt_inputs = [t for t in inputs if t.requires_grad]
             wrt_leaves = {i: t for i, t in leaves.items() if t.requires_grad}
             wrt = wrt_inputs + list(wrt_leaves.values())

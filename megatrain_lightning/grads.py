@@ -1,8 +1,9 @@
 """Gradient offload: each block's gradients leave the device as soon as they exist.
 
-They are summed into fp32 host buffers in the store (kind ``"grad"``) in the order they
-arrive, which is the order autograd would accumulate them into ``param.grad``: the sums are
-bitwise those of plain PyTorch, across call sites of a tied block and across micro-batches.
+They are summed into fp32 host buffers in the store (kind ``"grad"``) exactly as autograd
+sums them into ``param.grad``: within one backward pass, the contributions of a block's several
+uses (GPT-2's tied embedding and head) are added together first (kind ``"grad_pass"``), and that
+sum is then added to what earlier micro-batches left. The results are bitwise plain PyTorch's.
 On CUDA the copy runs on its own stream into a pinned staging buffer, and a worker thread adds
 it into the accumulation buffer once the copy's event has completed.
 """
@@ -29,15 +30,19 @@ class HostGrads:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-offload") if self._cuda else None
         self._staging: dict[torch.dtype, list[Tensor]] = {}
         self._last: Future | None = None
+        self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
     def present(self, block: int) -> list[int]:
         """Indices of ``block``'s parameters that received a gradient since ``clear``."""
         return sorted(self._present[block])
 
-    def offload(self, block: int, grads: dict[int, Tensor], then: Callable[[], None]) -> None:
-        """Add ``grads`` (parameter index -> device gradient) to the host buffers, then call ``then``."""
+    def offload(self, block: int, grads: dict[int, Tensor], final: bool, then: Callable[[], None]) -> None:
+        """Add ``grads`` (parameter index -> device gradient) to the host buffers, then call ``then``.
+
+        ``final``: no further use of ``block`` in this backward pass will contribute gradients.
+        """
         if not self._cuda:
-            self._accumulate(block, grads)
+            self._accumulate(block, grads, final)
             then()
             return
         dtype = next(iter(grads.values())).dtype
@@ -50,14 +55,21 @@ class HostGrads:
                 staging[p.offset : p.offset + p.numel].view(p.shape).copy_(grad, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
-        on_host = {i: staging[params[i].offset : params[i].offset + params[i].numel].view(params[i].shape) for i in grads}
+        on_host = {
+            i: staging[params[i].offset : params[i].offset + params[i].numel].view(params[i].shape)
+            for i in grads
+        }
         # ``grads`` stays referenced until the copy has completed, so the allocator cannot reuse it early.
-        self._last = self._worker.submit(self._finish, block, grads, on_host, copied, staging, dtype, then)
+        self._last = self._worker.submit(
+            self._finish, block, grads, on_host, copied, staging, dtype, final, then
+        )
 
     def flush(self) -> None:
-        """Wait until every offload issued so far has been added to the host buffers."""
+        """Wait until every offload issued so far has been added to the accumulation buffers."""
         if self._last is not None:
             self._last.result()
+        for block in list(self._pass_sums):
+            self._fold(block)
 
     def clear(self) -> None:
         self.flush()
@@ -68,23 +80,40 @@ class HostGrads:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
-    def _finish(self, block, grads, on_host, copied, staging, dtype, then) -> None:
+    def _finish(self, block, grads, on_host, copied, staging, dtype, final, then) -> None:
         copied.synchronize()
         del grads
-        self._accumulate(block, on_host)
+        self._accumulate(block, on_host, final)
         self._staging[dtype].append(staging)
         then()
 
-    def _accumulate(self, block: int, grads: dict[int, Tensor]) -> None:
-        dst = self.store.views("grad", block)
-        present = self._present[block]
+    def _accumulate(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
+        for grad in grads.values():
+            self.stats.d2h_bytes += grad.numel() * grad.element_size()
+        if block not in self._pass_sums and final:
+            self._add(self.store.views("grad", block), self._present[block], grads)
+            return
+        self._add(self.store.views("grad_pass", block), self._pass_sums.setdefault(block, set()), grads)
+        if final:
+            self._fold(block)
+
+    def _fold(self, block: int) -> None:
+        """Add this pass's summed contributions of ``block`` to the accumulation buffer."""
+        sums = self.store.views("grad_pass", block)
+        self._add(
+            self.store.views("grad", block),
+            self._present[block],
+            {i: sums[i] for i in self._pass_sums.pop(block)},
+        )
+
+    @staticmethod
+    def _add(dst: list[Tensor], present: set[int], grads: dict[int, Tensor]) -> None:
         for index, grad in grads.items():
             if index in present:
                 dst[index].add_(grad)
             else:
                 dst[index].copy_(grad)
                 present.add(index)
-            self.stats.d2h_bytes += grad.numel() * grad.element_size()
 
     def _take_staging(self, dtype: torch.dtype) -> Tensor:
         pool = self._staging.setdefault(dtype, [])

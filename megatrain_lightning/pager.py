@@ -136,7 +136,9 @@ class Pager:
             uses = self._next_uses()
             free = [s for s in self._slots if not s.pins and not s.loading]
             victim = min(free, key=lambda s: (s.block is not None, -uses.get(s.block, _NEVER)), default=None)
-            if victim is not None and (demand or victim.block is None or uses.get(victim.block, _NEVER) > need_at):
+            if victim is not None and (
+                demand or victim.block is None or uses.get(victim.block, _NEVER) > need_at
+            ):
                 if victim.block is not None:
                     del self._resident[victim.block]
                 victim.block, victim.stale = block, False

@@ -46,7 +46,9 @@ class MegaTrainPrecision(Precision):
             return data
         from lightning.fabric.utilities.apply_func import apply_to_collection
 
-        return apply_to_collection(data, Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        return apply_to_collection(
+            data, Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t
+        )
 
     @override
     @contextlib.contextmanager

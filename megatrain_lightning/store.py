@@ -45,7 +45,9 @@ class HostStore:
             torch.empty(1, pin_memory=True)
             return True
         except RuntimeError as err:  # memlock limits, no driver
-            log.warning(f"megatrain: cannot pin host memory ({err}); using pageable memory, transfers will be slower.")
+            log.warning(
+                f"megatrain: cannot pin host memory ({err}); using pageable memory, transfers will be slower."
+            )
             return False
 
     def flat(self, kind: str, block: int, dtype: torch.dtype = torch.float32, zero: bool = False) -> Tensor:
@@ -67,7 +69,9 @@ class HostStore:
         key = (kind, block)
         if key not in self._views:
             flat = self.flat(kind, block)
-            self._views[key] = [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.blocks[block].params]
+            self._views[key] = [
+                flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.blocks[block].params
+            ]
         return self._views[key]
 
     def release(self, kind: str) -> None:
@@ -78,4 +82,6 @@ class HostStore:
 
     def nbytes(self, *kinds: str) -> int:
         selected = kinds or tuple(self._flat)
-        return sum(b.numel() * b.element_size() for k in selected for b in self._flat.get(k, ()) if b is not None)
+        return sum(
+            b.numel() * b.element_size() for k in selected for b in self._flat.get(k, ()) if b is not None
+        )

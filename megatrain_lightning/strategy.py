@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision import Precision
@@ -17,8 +18,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
-import lightning.pytorch as pl
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.blocks import Block
 from megatrain_lightning.engine import Engine, EngineConfig
 from megatrain_lightning.optim import CPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
@@ -31,7 +31,12 @@ COMPRESSIONS = ("none",)
 def _budget(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise MisconfigurationException(f"`{name}` must be a positive number of GB or None; got {value!r}.")
     return float(value)
 
@@ -84,12 +89,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.optimizer_compression = optimizer_compression
         self.block_classes = list(block_classes) if block_classes else None
         self.activation_checkpointing = bool(activation_checkpointing)
-        if prefetch_depth != "auto" and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
-                                         or prefetch_depth < 0):
-            raise MisconfigurationException(f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}.")
+        if prefetch_depth != "auto" and (
+            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
+        ):
+            raise MisconfigurationException(
+                f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}."
+            )
         self.prefetch_depth = prefetch_depth
         if not isinstance(optimizer_threads, int) or optimizer_threads < 1:
-            raise MisconfigurationException(f"`optimizer_threads` must be an int >= 1; got {optimizer_threads!r}.")
+            raise MisconfigurationException(
+                f"`optimizer_threads` must be an int >= 1; got {optimizer_threads!r}."
+            )
         self.optimizer_threads = optimizer_threads
         self.engine: Engine | None = None
 
@@ -157,8 +167,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if self.engine is None or self.engine.model is not module:
-            self.engine = self._build_engine(module)
+        self.engine = Engine.attach(module, self.block_classes, self._engine_config)
         self.precision_plugin.device = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -166,21 +175,18 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _build_engine(self, module: pl.LightningModule) -> Engine:
-        blocks = discover_blocks(module, self.block_classes)
+    def _engine_config(self, blocks: list[Block]) -> EngineConfig:
         dtype = self.precision_plugin.compute_dtype
         slot_bytes = max(b.numel for b in blocks) * dtype.itemsize
         num_slots = self._num_slots(slot_bytes, sum(b.numel for b in blocks) * dtype.itemsize, len(blocks))
-        depth = max(num_slots - 1, 1) if self.prefetch_depth == "auto" else self.prefetch_depth
-        config = EngineConfig(
+        return EngineConfig(
             device=self.root_device,
             compute_dtype=dtype,
             num_slots=num_slots,
-            prefetch_depth=depth,
+            prefetch_depth=max(num_slots - 1, 1) if self.prefetch_depth == "auto" else self.prefetch_depth,
             activation_checkpointing=self.activation_checkpointing,
             pin_memory=self.root_device.type == "cuda",
         )
-        return Engine(module, blocks, config)
 
     def _num_slots(self, slot_bytes: int, model_bytes: int, num_blocks: int) -> int:
         if self.max_vram_gb is None:
@@ -193,8 +199,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         slots = int(budget // slot_bytes)
         if slots < 1:
             raise MisconfigurationException(
-                f"`max_vram_gb={self.max_vram_gb}` is smaller than the largest block ({slot_bytes / _GB:.3g} GB in "
-                f"the compute dtype). Raise it to at least {math.ceil(slot_bytes / _GB * 100) / 100} GB."
+                f"`max_vram_gb={self.max_vram_gb}` is smaller than the largest block "
+                f"({slot_bytes / _GB:.3g} GB in the compute dtype). "
+                f"Raise it to at least {math.ceil(slot_bytes / _GB * 100) / 100} GB."
             )
         return min(slots, num_blocks)
 
@@ -272,43 +279,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     # -- state --
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full fp32 weights (views of the store, like a plain ``state_dict`` aliases parameters)."""
-        engine = self.engine
-        module = self.lightning_module
-        assert module is not None
-        if engine is None:
-            return module.state_dict()
-        engine.wait_all()
-        state = module.state_dict()
-        for name in state:
-            if name in engine.locations:
-                block, index = engine.locations[name]
-                state[name] = engine.store.views("param", block)[index]
-        return state
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        engine = self.engine
-        module = self.lightning_module
-        assert module is not None
-        if engine is None:
-            module.load_state_dict(checkpoint["state_dict"], strict=strict)
-            return
-        engine.wait_all()
-        state = checkpoint["state_dict"]
-        missing = [n for n in engine.locations if n not in state]
-        if strict and missing:
-            raise KeyError(f"megatrain: the checkpoint lacks parameters {missing[:5]}")
-        for name, (block, index) in engine.locations.items():
-            if name in state:
-                engine.store.views("param", block)[index].copy_(state[name])
-        buffers = {k: v for k, v in state.items() if k not in engine.locations}
-        module.load_state_dict(buffers, strict=False)
-        for block in engine.blocks:
-            engine.pager.invalidate(block.index)
-
     # -- the end --
 
     @override
@@ -329,7 +299,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="Block-paged training of models larger than GPU memory")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Block-paged training of models larger than GPU memory"
+        )
 
 
 @contextlib.contextmanager

@@ -86,7 +86,13 @@ class CPUAdamW(Optimizer):
         threads: int = 1,
     ) -> None:
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach, fused=fused
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)
         self.store = store
@@ -119,12 +125,17 @@ class CPUAdamW(Optimizer):
         """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW``."""
         if type(optimizer) not in _SUPPORTED:
             raise MisconfigurationException(
-                f"megatrain runs the optimizer on the CPU and supports `torch.optim.AdamW` and `torch.optim.Adam`; "
-                f"`configure_optimizers` returned {type(optimizer).__name__}. Return one of those instead."
+                "megatrain runs the optimizer on the CPU and supports `torch.optim.AdamW` and "
+                f"`torch.optim.Adam`; `configure_optimizers` returned {type(optimizer).__name__}. "
+                "Return one of those instead."
             )
         if any(group.get("amsgrad") for group in optimizer.param_groups):
-            raise MisconfigurationException("megatrain's CPU AdamW does not support `amsgrad=True`; set it to False.")
-        decoupled = type(optimizer) is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
+            raise MisconfigurationException(
+                "megatrain's CPU AdamW does not support `amsgrad=True`; set it to False."
+            )
+        decoupled = type(optimizer) is torch.optim.AdamW or bool(
+            optimizer.defaults.get("decoupled_weight_decay")
+        )
         groups = [dict(group) for group in optimizer.param_groups]
         return cls(groups, decoupled_weight_decay=decoupled, **kwargs)
 
@@ -133,6 +144,7 @@ class CPUAdamW(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (forward + backward; blocks may update during it), then update the rest."""
+        self._opt_called = True  # what an LR scheduler's step-order check looks for
         self._hparams = [self._snapshot(group) for group in self.param_groups]
         self._in_step = True
         try:
@@ -184,8 +196,8 @@ class CPUAdamW(Optimizer):
         if self._submitted:
             raise RuntimeError(
                 "megatrain: gradients were clipped after some blocks were already updated. Set "
-                "`Trainer(gradient_clip_val=...)` (or override `configure_gradient_clipping` before fit) so that "
-                "the strategy defers updates until the gradients are final."
+                "`Trainer(gradient_clip_val=...)` (or override `configure_gradient_clipping` before fit) so "
+                "that the strategy defers updates until the gradients are final."
             )
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -324,7 +336,7 @@ class CPUAdamW(Optimizer):
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("megatrain: the optimizer state does not match this model's param groups")
-        for group, saved in zip(self.param_groups, groups):
+        for group, saved in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for i, (block, index) in enumerate(self._order):
             saved = state_dict["state"].get(i, state_dict["state"].get(str(i)))
@@ -335,3 +347,8 @@ class CPUAdamW(Optimizer):
             for kind in _STATE:
                 self.store.flat(kind, block, zero=True)
                 self.store.views(kind, block)[index].copy_(saved[kind])
+
+
+# LR schedulers built on the user's optimizer are rebound to this one; mark ``step`` the way their
+# constructor would have, so they do not warn that it was overridden.
+CPUAdamW.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

@@ -1,0 +1,94 @@
+"""Shared helpers: tiny models trained side by side under plain Lightning and megatrain."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.models import CausalLMModule, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LitLogger.*")
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+
+
+class LossRecorder(L.Callback):
+    """Every micro-batch's training loss, as the training step returned it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+@dataclass
+class Run:
+    module: CausalLMModule
+    trainer: L.Trainer
+    losses: list[float] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.trainer.strategy.lightning_module_state_dict()
+
+
+def fit(
+    model: torch.nn.Module,
+    strategy: Any = "auto",
+    steps: int = 20,
+    seq_len: int = 32,
+    batch_size: int = 2,
+    lr: float = 3e-3,
+    **trainer_kwargs: Any,
+) -> Run:
+    """Train a copy of ``model`` on the shipped corpus: two param groups, warmup + cosine schedule."""
+    module = CausalLMModule(copy.deepcopy(model), lr=lr, warmup_steps=2, max_steps=steps)
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        **trainer_kwargs,
+    )
+    torch.manual_seed(1)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=seq_len, batch_size=batch_size))
+    return Run(module, trainer, recorder.losses)
+
+
+def assert_same_training(plain: Run, paged: Run, loss_rtol: float = 1e-6, param_atol: float = 1e-6) -> None:
+    assert len(plain.losses) == len(paged.losses) > 0
+    for step, (a, b) in enumerate(zip(plain.losses, paged.losses, strict=True)):
+        assert abs(a - b) <= loss_rtol * abs(a), f"micro-batch {step}: loss {b} vs plain {a}"
+    expected, actual = plain.state_dict(), paged.state_dict()
+    assert expected.keys() == actual.keys()
+    for name, value in expected.items():
+        got = actual[name]
+        assert got.dtype == value.dtype and got.device.type == "cpu", name
+        diff = (got - value).abs().max().item()
+        assert diff <= param_atol, f"{name}: max abs diff {diff}"

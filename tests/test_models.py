@@ -1,0 +1,218 @@
+"""Tests of the tiny configs, CausalLMModule and the Hydra training app (plain strategy)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.models import (
+    TINY_ARCHS,
+    CausalLMModule,
+    WarmupCosine,
+    llama_config,
+    tiny_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "megatrain_lightning" / "configs"
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_config_builds_and_runs(arch):
+    config = tiny_config(arch)
+    assert config.vocab_size == 256
+    dropouts = {k: v for k, v in config.to_dict().items() if "dropout" in k or "pdrop" in k}
+    assert all(v == 0 for v in dropouts.values()), dropouts
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 256, (2, 16))
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    assert out.logits.shape == (2, 16, 256)
+    assert torch.isfinite(out.loss) and abs(out.loss.item() - math.log(256)) < 1.0
+    assert sum(p.numel() for p in model.parameters()) < 400_000
+
+
+def test_tiny_config_ties_and_overrides():
+    assert tiny_config("gpt2").tie_word_embeddings is True
+    assert tiny_config("llama").tie_word_embeddings is False
+    assert tiny_config("llama", num_hidden_layers=4).num_hidden_layers == 4
+    with pytest.raises(ValueError, match="unknown tiny arch"):
+        tiny_config("bert")
+
+
+def test_llama_config_shapes():
+    c = llama_config("170m")
+    shape = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size)
+    assert shape == (1024, 8, 16, 2816)
+    assert (c.vocab_size, c.max_position_embeddings, c.tie_word_embeddings) == (32000, 2048, False)
+    with torch.device("meta"):
+        n_170m = sum(p.numel() for p in AutoModelForCausalLM.from_config(c).parameters())
+        n_7b = sum(p.numel() for p in AutoModelForCausalLM.from_config(llama_config("7b")).parameters())
+    assert 160e6 < n_170m < 180e6
+    assert 6.6e9 < n_7b < 6.8e9  # Llama-2-7B: 6.74B
+    c70 = llama_config("70b")
+    assert (c70.hidden_size, c70.num_hidden_layers, c70.num_key_value_heads) == (8192, 80, 8)
+    assert llama_config("1b").hidden_size == 2048
+    with pytest.raises(ValueError, match="unknown Llama size"):
+        llama_config("3b")
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_param_groups_split_by_ndim(arch):
+    module = CausalLMModule(arch, weight_decay=0.1)
+    module.configure_model()
+    decay, no_decay = module.param_groups()
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    unique = {id(p): p for p in module.parameters()}
+    assert {id(p) for p in no_decay["params"]} == {i for i, p in unique.items() if p.ndim < 2}
+    assert {id(p) for p in decay["params"]} == {i for i, p in unique.items() if p.ndim >= 2}
+    all_ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
+    assert len(all_ids) == len(set(all_ids)) == len(unique)
+
+
+def test_tied_gpt2_weight_appears_once():
+    module = CausalLMModule("gpt2")
+    module.configure_model()
+    wte = module.model.transformer.wte.weight
+    assert module.model.lm_head.weight is wte
+    params = [p for g in module.param_groups() for p in g["params"]]
+    assert sum(p is wte for p in params) == 1
+
+
+def test_optimizer_on_meta_parameters():
+    """The strategy builds the model on meta: groups and schedule must only use shapes."""
+    module = CausalLMModule("llama", lr=1e-3, warmup_steps=2, max_steps=10)
+    with torch.device("meta"):
+        module.configure_model()
+    assert all(p.is_meta for p in module.parameters())
+    cfg = module.configure_optimizers()
+    opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
+    assert isinstance(opt, torch.optim.AdamW) and cfg["lr_scheduler"]["interval"] == "step"
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    assert [g["lr"] for g in opt.param_groups] == [5e-4, 5e-4]  # step 0 of 2 warmup steps
+    assert "lr_lambdas" in sched.state_dict()
+
+
+def test_warmup_cosine_and_constant_schedules():
+    f = WarmupCosine(warmup_steps=4, total_steps=14)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0 and f(9) == pytest.approx(0.5) and f(14) == pytest.approx(0.0) and f(100) == 0.0
+    assert WarmupCosine(2, None)(50) == 1.0
+    module = CausalLMModule("llama", scheduler="constant")
+    module.configure_model()
+    assert set(module.configure_optimizers()) == {"optimizer"}
+    with pytest.raises(ValueError, match="scheduler"):
+        CausalLMModule("llama", scheduler="linear")
+
+
+def test_model_sources(tmp_path):
+    # An already built model is kept as is.
+    built = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    module = CausalLMModule(built)
+    assert module.model is built
+    module.configure_model()
+    assert module.model is built
+    assert module.hparams.model["model_type"] == "gpt2"
+    # ... and its hparams rebuild the same architecture.
+    rebuilt = CausalLMModule(module.hparams.model)
+    rebuilt.configure_model()
+    assert type(rebuilt.model) is type(built)
+    # A local Hugging Face directory: config and weights.
+    built.save_pretrained(tmp_path / "hf")
+    from_dir = CausalLMModule(str(tmp_path / "hf"))
+    assert from_dir.pretrained_path == str(tmp_path / "hf")
+    from_dir.configure_model()
+    for (name, a), b in zip(built.state_dict().items(), from_dir.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="neither a tiny arch"):
+        CausalLMModule(str(tmp_path / "nowhere"))
+
+
+class _LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_fit_lowers_loss_on_shipped_corpus(tmp_path):
+    L.seed_everything(0)
+    recorder = _LossRecorder()
+    module = CausalLMModule("llama", lr=1e-3, warmup_steps=3)
+    dm = TextDataModule(seq_len=128, batch_size=8)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=30,
+        strategy="auto",
+        callbacks=[recorder],
+        limit_val_batches=2,
+        val_check_interval=30,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=dm)
+    losses = recorder.losses
+    assert len(losses) == 30
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert first > 5.0 and last < first - 1.0, losses
+    metrics = trainer.callback_metrics
+    val_loss, val_ppl = float(metrics["val_loss"]), float(metrics["val_ppl"])
+    assert val_ppl == pytest.approx(math.exp(val_loss), rel=1e-3)
+
+    (test_metrics,) = trainer.test(module, datamodule=dm, verbose=False)
+    assert test_metrics["test_ppl"] == pytest.approx(math.exp(test_metrics["test_loss"]), rel=1e-3)
+    preds = trainer.predict(module, dataloaders=dm.predict_dataloader())
+    assert preds[0].shape == (8, 128) and preds[0].dtype == torch.long
+
+
+def test_hydra_configs_compose():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="train")
+        assert cfg.strategy._target_ == "megatrain_lightning.MegaTrainStrategy"
+        assert dict(cfg.strategy) == {
+            "_target_": "megatrain_lightning.MegaTrainStrategy",
+            "max_vram_gb": None,
+            "max_cpu_gb": None,
+            "offload_dir": None,
+            "optimizer_compression": "none",
+            "activation_checkpointing": True,
+            "prefetch_depth": "auto",
+        }
+        assert cfg.model.model == "llama" and cfg.data.path is None
+        assert compose(config_name="train", overrides=["strategy=plain"]).strategy == "auto"
+        for name in ("tiny_gpt2", "tiny_moe", "llama_170m", "llama_1b", "llama_7b", "llama_70b"):
+            assert compose(config_name="train", overrides=[f"model={name}"]).model._target_
+
+
+def test_hydra_app_runs_with_plain_strategy(tmp_path):
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatrain_lightning.train",
+        "strategy=plain",
+        "trainer.max_steps=3",
+        "+trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "final train_loss:" in proc.stdout
+    assert (tmp_path / "lightning_logs").is_dir()

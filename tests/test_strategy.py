@@ -1,0 +1,208 @@
+"""The Lightning side: registration, precision, evaluation loops, where the weights live, bad input."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import lightning as L
+import pytest
+import torch
+from conftest import fit, tiny_model
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+import megatrain_lightning  # noqa: F401  (registers "megatrain")
+from megatrain_lightning import CPUAdamW, MegaTrainPrecision, MegaTrainStrategy
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.models import CausalLMModule, tiny_config
+
+
+def _trainer(strategy="megatrain", **kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(strategy=strategy, **(defaults | kwargs))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_registered_name_and_precision_string_end_up_as_ours(precision):
+    trainer = _trainer(precision=precision)
+    assert isinstance(trainer.strategy, MegaTrainStrategy)
+    assert isinstance(trainer.strategy.precision_plugin, MegaTrainPrecision)
+    assert trainer.strategy.precision_plugin.precision == precision
+
+
+def test_instance_with_options():
+    strategy = MegaTrainStrategy(
+        max_vram_gb=0.5, max_cpu_gb=2, activation_checkpointing=False, prefetch_depth=2
+    )
+    assert _trainer(strategy).strategy is strategy
+
+
+def test_weights_move_into_the_store_and_the_originals_are_freed():
+    model = tiny_model("gpt2")
+    originals = [weakref.ref(p) for p in model.parameters()]
+    module = CausalLMModule(model, lr=1e-3)
+    trainer = _trainer(max_steps=3, num_sanity_val_steps=0, limit_val_batches=0)
+    del model
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2))
+    gc.collect()
+    assert all(ref() is None for ref in originals), "a full copy of the model is still alive"
+    assert all(p.is_meta for p in module.parameters())
+    # Tied weights are stored once and stay tied.
+    gpt2 = module.model
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    state = trainer.strategy.lightning_module_state_dict()
+    assert torch.equal(state["model.lm_head.weight"], state["model.transformer.wte.weight"])
+    numel = sum(p.numel() for p in module.parameters())  # de-duplicated: tied counted once
+    stats = trainer.strategy.stats
+    assert trainer.strategy.engine.store.nbytes("param") == 4 * numel
+    # store: master + grad + exp_avg + exp_avg_sq = 16 bytes per parameter (+ page alignment)
+    assert 16 * numel <= stats.host_bytes <= 16 * numel + 4096 * 4 * len(trainer.strategy.engine.blocks)
+    assert stats.peak_slot_bytes > 0 and stats.fetch_wait_s >= 0
+
+
+def test_model_built_in_configure_model_is_initialized_block_by_block():
+    module = CausalLMModule("llama", lr=3e-3, max_steps=30)
+    trainer = _trainer(limit_val_batches=1)
+    trainer.validate(module, datamodule=TextDataModule(seq_len=32, batch_size=4))
+    assert all(p.is_meta for p in module.parameters())
+    state = trainer.strategy.lightning_module_state_dict()
+    # Initialized the Hugging Face way: norms at one, linear weights ~ N(0, initializer_range).
+    assert torch.equal(state["model.model.norm.weight"], torch.ones(64))
+    assert state["model.model.layers.1.mlp.up_proj.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    # The paged model and a plain copy of its weights compute the same logits.
+    reference = CausalLMModule("llama")
+    reference.configure_model()
+    reference.load_state_dict(state)
+    batch = torch.randint(0, 256, (2, 16))
+    paged = trainer.predict(module, torch.utils.data.DataLoader([batch], batch_size=None))[0]
+    assert torch.equal(paged, reference.model(input_ids=batch).logits.argmax(-1))
+    # And it trains.
+    trainer = _trainer(
+        max_steps=30, num_sanity_val_steps=0, limit_val_batches=0
+    )  # a new strategy, same store
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=4))
+    assert trainer.callback_metrics["train_loss"] < 4.5
+
+
+def test_validate_test_and_predict_run_paged_and_match_plain():
+    model = tiny_model("llama")
+    data = TextDataModule(seq_len=32, batch_size=4)
+    results = {}
+    for name, strategy in [("plain", "auto"), ("paged", MegaTrainStrategy(max_vram_gb=2e-4))]:
+        module = CausalLMModule(tiny_model("llama"))
+        module.model.load_state_dict(model.state_dict())
+        trainer = _trainer(strategy, limit_val_batches=3, limit_test_batches=3, limit_predict_batches=2)
+        val = trainer.validate(module, datamodule=data)[0]
+        test = trainer.test(module, datamodule=data)[0]
+        predicted = trainer.predict(module, datamodule=data)
+        results[name] = (val, test, predicted)
+    (pv, pt, pp), (mv, mt, mp) = results["plain"], results["paged"]
+    assert mv["val_loss"] == pytest.approx(pv["val_loss"], rel=1e-6)
+    assert mt["test_ppl"] == pytest.approx(pt["test_ppl"], rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(pp, mp, strict=True))
+
+
+def test_bf16_mixed_trains_with_fp32_masters():
+    run = fit(tiny_model("llama"), "megatrain", steps=40, lr=3e-3, precision="bf16-mixed", batch_size=4)
+    engine = run.trainer.strategy.engine
+    assert engine.pager.dtype == torch.bfloat16
+    assert all(
+        engine.store.flat(kind, b.index).dtype == torch.float32
+        for b in engine.blocks
+        for kind in ("param", "grad", "exp_avg", "exp_avg_sq")
+    )
+    assert all(v.dtype == torch.float32 for v in run.state_dict().values() if v.is_floating_point())
+    first, last = sum(run.losses[:5]) / 5, sum(run.losses[-5:]) / 5
+    assert last < first - 0.5
+
+
+def test_optimizer_is_rebuilt_and_the_scheduler_follows_it():
+    run = fit(tiny_model("llama"), MegaTrainStrategy(), steps=5)
+    optimizer = run.trainer.optimizers[0]
+    assert isinstance(optimizer, CPUAdamW)
+    scheduler = run.trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.optimizer is optimizer
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(scheduler.get_last_lr()[0])
+
+
+# -- bad input: a clear MisconfigurationException before training starts --
+
+
+def test_budget_smaller_than_the_largest_block():
+    with pytest.raises(MisconfigurationException, match="smaller than the largest block"):
+        fit(tiny_model("llama"), MegaTrainStrategy(max_vram_gb=1e-6), steps=1)
+
+
+@pytest.mark.parametrize("budget", [-1, 0, "8GB", float("nan"), True])
+def test_negative_or_non_numeric_budgets(budget):
+    with pytest.raises(MisconfigurationException, match="positive number"):
+        MegaTrainStrategy(max_vram_gb=budget)
+    with pytest.raises(MisconfigurationException, match="positive number"):
+        MegaTrainStrategy(max_cpu_gb=budget)
+
+
+class _NoBlocks(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_no_detectable_blocks():
+    with pytest.raises(MisconfigurationException, match="block_classes"):
+        _trainer(max_steps=1).fit(_NoBlocks(), torch.utils.data.DataLoader(torch.randn(4, 4)))
+
+
+def test_named_block_classes_make_any_model_pageable():
+    module = _NoBlocks()
+    trainer = _trainer(MegaTrainStrategy(block_classes=[nn.Linear]), max_steps=2)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.randn(4, 4)))
+    assert len(trainer.strategy.engine.blocks) == 2
+
+
+def test_unsupported_optimizer():
+    module = CausalLMModule(tiny_model("llama"))
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(
+        MisconfigurationException, match="supports `torch.optim.AdamW` and `torch.optim.Adam`"
+    ):
+        _trainer(max_steps=1).fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2))
+
+
+def test_more_than_one_device():
+    with pytest.raises(MisconfigurationException, match="one device"):
+        _trainer(devices=2)
+
+
+def test_unsupported_precision_and_options():
+    with pytest.raises(MisconfigurationException, match="precision"):
+        _trainer(precision="64-true")
+    with pytest.raises(MisconfigurationException, match="optimizer_compression"):
+        MegaTrainStrategy(optimizer_compression="int3")
+    with pytest.raises(MisconfigurationException, match="prefetch_depth"):
+        MegaTrainStrategy(prefetch_depth=-1)
+
+
+def test_offload_dir_that_is_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(MisconfigurationException, match="not a directory"):
+        MegaTrainStrategy(offload_dir=path)
+
+
+def test_tiny_configs_cover_the_block_classes():
+    for arch in ("llama", "gpt2", "qwen2_moe", "mixtral"):
+        assert tiny_config(arch).model_type
