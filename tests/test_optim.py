@@ -1,0 +1,155 @@
+"""CPUAdamW: bitwise torch's Adam/AdamW over the store's flat buffers, and its schedule of updates."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import assert_same_training, fit, tiny_model
+from torch import nn
+
+from megatrain_lightning import CPUAdamW, MegaTrainStrategy
+from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store import HostStore
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 16, bias=False)
+        self.norm = nn.LayerNorm(16)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+
+def _setup(params_of, **options):
+    """The same parameters in a plain torch optimizer and in a CPUAdamW over a store."""
+    torch.manual_seed(0)
+    net = Net()
+    blocks = discover_blocks(net, block_classes=[Layer])
+    store = HostStore(blocks)
+    grads = HostGrads(store, torch.device("cpu"), EngineStats())
+    locate = {}
+    for block in blocks:
+        for site in block.sites:
+            for binding in site.bindings:
+                param = binding.owner._parameters[binding.attr]
+                locate[id(param)] = (block.index, binding.index)
+                store.views("param", block.index)[binding.index].copy_(param.detach())
+    groups = params_of(net)
+    torch_cls = options.pop("cls", torch.optim.AdamW)
+    reference = torch_cls(groups, **options)
+    ours = CPUAdamW.from_optimizer(torch_cls(params_of(net), **options), store=store, grads=grads, locate=locate)
+    return net, reference, ours, grads, locate
+
+
+def _groups(net):
+    decay = [p for n, p in net.named_parameters() if p.ndim == 2]
+    no_decay = [p for n, p in net.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-2}]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"foreach": True},
+        {"fused": True},
+        {"cls": torch.optim.Adam, "weight_decay": 0.05},
+        {"maximize": True, "betas": (0.8, 0.9), "eps": 1e-6},
+    ],
+)
+def test_steps_equal_torch_bitwise_including_parameters_without_gradients(options):
+    net, reference, ours, grads, locate = _setup(_groups, lr=3e-3, **options)
+    params = list(net.parameters())
+    for step in range(6):
+        torch.manual_seed(step)
+        # Some parameters get no gradient in some steps (as unrouted MoE experts): torch skips them.
+        skip = {i for i in range(len(params)) if (i + step) % 4 == 0}
+        for block in range(3):
+            found = {}
+            for i, p in enumerate(params):
+                if locate[id(p)][0] == block and i not in skip:
+                    found[locate[id(p)][1]] = torch.randn_like(p)
+            grads.offload(block, found, final=True, then=lambda: None)
+        for i, p in enumerate(params):
+            block, index = locate[id(p)]
+            p.grad = None if i in skip else grads.store.views("grad", block)[index].clone()
+        reference.step()
+        reference.zero_grad()
+        ours.step()
+        ours.zero_grad()
+    for p in params:
+        block, index = locate[id(p)]
+        assert torch.equal(ours.store.views("param", block)[index], p.detach())
+    # The state dict has torch's format: a torch optimizer loads it and holds the same numbers.
+    state = ours.state_dict()
+    expected = reference.state_dict()
+    assert state["state"].keys() == expected["state"].keys()
+    for key, entry in expected["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(state["state"][key][name], value), (key, name)
+
+
+def test_state_dict_round_trip():
+    net, reference, ours, grads, locate = _setup(_groups, lr=3e-3)
+    grads.offload(0, {0: torch.ones(32, 16)}, final=True, then=lambda: None)
+    ours.step()
+    saved = {k: v for k, v in ours.state_dict().items()}
+    saved["state"] = {k: {n: t.clone() for n, t in e.items()} for k, e in saved["state"].items()}
+    ours.store.flat("exp_avg", 0).zero_()
+    ours.load_state_dict(saved)
+    again = ours.state_dict()
+    assert all(torch.equal(again["state"][k]["exp_avg"], e["exp_avg"]) for k, e in saved["state"].items())
+    with pytest.raises(ValueError, match="param groups"):
+        ours.load_state_dict({"state": {}, "param_groups": saved["param_groups"][:1]})
+
+
+def _record_submissions(monkeypatch) -> list[bool]:
+    """For each block update submitted: was the closure (forward + backward) still running?"""
+    during_closure: list[bool] = []
+    submit = CPUAdamW._submit
+
+    def spy(self, block):
+        during_closure.append(self._in_step)
+        submit(self, block)
+
+    monkeypatch.setattr(CPUAdamW, "_submit", spy)
+    return during_closure
+
+
+def test_updates_overlap_the_backward_pass(monkeypatch):
+    during_closure = _record_submissions(monkeypatch)
+    run = fit(tiny_model("llama"), MegaTrainStrategy(), steps=4)
+    blocks = len(run.trainer.strategy.engine.blocks)
+    # Step 1 records the trace; from then on every block updates while backward is still running.
+    assert during_closure == [False] * blocks + [True] * 3 * blocks
+
+
+def test_clipping_defers_updates_until_the_norm_is_known(monkeypatch):
+    during_closure = _record_submissions(monkeypatch)
+    fit(tiny_model("llama"), MegaTrainStrategy(), steps=4, gradient_clip_val=1.0)
+    assert during_closure and not any(during_closure)
+
+
+def test_a_block_is_never_fetched_before_its_update_finished(monkeypatch):
+    update = CPUAdamW._update
+
+    def slow_update(self, block, hparams, clip):
+        time.sleep(0.02)
+        update(self, block, hparams, clip)
+
+    model = tiny_model("llama")
+    plain = fit(model, "auto", steps=6)
+    monkeypatch.setattr(CPUAdamW, "_update", slow_update)
+    paged = fit(model, MegaTrainStrategy(optimizer_threads=2), steps=6)
+    assert_same_training(plain, paged)
+    assert paged.trainer.strategy.stats.optimizer_wait_s > 0

@@ -1,0 +1,89 @@
+"""The trace and the pager's slots: replay, Belady eviction, invalidation, bounded residency."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.pager import Pager
+from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store import HostStore
+from megatrain_lightning.trace import Trace
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8, bias=False)
+
+
+def _pager(num_slots: int, depth: int = 0, blocks: int = 3) -> Pager:
+    net = nn.Sequential(*[Layer() for _ in range(blocks)])
+    store = HostStore(discover_blocks(net, block_classes=[Layer]))
+    for b in range(blocks):
+        store.flat("param", b).fill_(b)
+    return Pager(store, torch.device("cpu"), torch.float32, num_slots, depth, lambda block: None, EngineStats())
+
+
+def _run_pass(pager: Pager, order: list[int]) -> list[float]:
+    pager.begin_pass("train")
+    seen = []
+    for block in order:
+        seen.append(pager.acquire(block, backward=False)[0].item())
+        pager.release(block)
+    return seen
+
+
+def test_trace_replays_and_detects_deviations():
+    trace = Trace()
+    trace.begin_pass("train")
+    for access in [(0, False), (1, False), (1, True), (0, True)]:
+        trace.access(access)
+    assert not trace.following  # nothing recorded yet
+    trace.begin_pass("train")
+    trace.access((0, False))
+    assert trace.following and trace.upcoming() == [(1, False), (1, True), (0, True)]
+    assert not trace.is_last_use(0)
+    trace.access((1, False))
+    trace.access((1, True))
+    assert trace.is_last_use(1)
+    trace.access((2, True))  # not what was recorded
+    assert not trace.following and trace.upcoming() == [] and trace.deviations == 1
+    trace.begin_pass("eval")  # kinds keep their own recordings
+    assert not trace.following
+
+
+def test_replay_evicts_the_block_needed_farthest_in_the_future():
+    pager = _pager(num_slots=2)
+    order = [0, 1, 2, 0, 1, 2]
+    assert _run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
+    block_bytes = 8 * 8 * 4
+    before = pager.stats.h2d_bytes
+    assert _run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
+    # The pass starts with 1 and 2 cached. Belady: 0 evicts 2 (needed after 1), 1 hits, 2 evicts 1,
+    # 0 hits, 1 evicts 0 (never needed again), 2 hits: three loads. LRU would load all six.
+    assert (pager.stats.h2d_bytes - before) // block_bytes == 3
+    assert pager.stats.peak_slot_bytes == 2 * block_bytes
+
+
+def test_prefetch_runs_ahead_within_the_free_slots():
+    pager = _pager(num_slots=3, depth=2)
+    _run_pass(pager, [0, 1, 2])
+    for s in pager._slots:  # empty the cache so the replay must fetch everything again
+        s.block = None
+    pager._resident.clear()
+    pager.begin_pass("train")
+    pager.acquire(0, backward=False)
+    resident = set(pager._resident)
+    pager.release(0)
+    assert resident == {0, 1, 2}  # blocks 1 and 2 were requested before they were needed
+
+
+def test_invalidate_drops_the_cached_copy():
+    pager = _pager(num_slots=3)
+    assert _run_pass(pager, [0, 1]) == [0, 1]
+    pager.store.flat("param", 0).fill_(7)
+    assert _run_pass(pager, [0]) == [0]  # still the cached copy: nobody said it changed
+    pager.invalidate(0)
+    assert _run_pass(pager, [0]) == [7]
