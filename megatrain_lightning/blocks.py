@@ -57,14 +57,25 @@ class CallSite:
 
 @dataclass(eq=False)
 class Block:
+    """A paging unit. Its flat layout puts large parameters first and small ones (under
+    ``SMALL_PARAM`` elements: norms, biases) after ``large_numel``, each starting on an
+    ``ALIGN``-element boundary, so that block-wise quantized optimizer state covers whole
+    parameters and small ones can keep fp32 state."""
+
     index: int
     name: str
     params: list[ParamSpec] = field(default_factory=list)
     sites: list[CallSite] = field(default_factory=list)
+    numel: int = 0  # length of the flat buffer, padding included
+    large_numel: int = 0  # where the small parameters begin
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.params)
+
+ALIGN = 256  # elements; a multiple of every quantization block size
+SMALL_PARAM = 4096
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _class_names(block_classes: Iterable[str | type] | None, model: nn.Module) -> set[str]:
@@ -146,21 +157,22 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     qualified = {id(p): n for n, p in model.named_parameters()}
     blocks: list[Block] = []
     for members in groups.values():
+        unique = {id(p): p for site_name in members for *_, p in site_params[site_name]}
+        layout = sorted(unique.values(), key=lambda p: p.numel() < SMALL_PARAM)  # stable: large first
         block = Block(index=len(blocks), name=" + ".join(members))
-        slots: dict[int, int] = {}
+        position: dict[int, int] = {}
         offset = 0
+        for param in layout:
+            if param.numel() < SMALL_PARAM and not block.large_numel:
+                block.large_numel = offset
+            position[id(param)] = len(block.params)
+            name = qualified[id(param)]
+            block.params.append(ParamSpec(name, param.shape, offset, param.numel(), param.requires_grad))
+            offset = align_up(offset + param.numel())
+        block.numel = offset
+        block.large_numel = block.large_numel or offset
         for site_name in members:
-            bindings = []
-            for owner, attr, relative, param in site_params[site_name]:
-                if id(param) not in slots:
-                    slots[id(param)] = len(block.params)
-                    block.params.append(
-                        ParamSpec(
-                            qualified[id(param)], param.shape, offset, param.numel(), param.requires_grad
-                        )
-                    )
-                    offset += param.numel()
-                bindings.append(Binding(owner, attr, slots[id(param)], relative))
+            bindings = [Binding(o, a, position[id(p)], rel) for o, a, rel, p in site_params[site_name]]
             block.sites.append(CallSite(sites[site_name], site_name, block, bindings))
         blocks.append(block)
     return blocks

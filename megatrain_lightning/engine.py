@@ -138,8 +138,6 @@ class Engine:
 
     def _initialize(self, block: Block, init_hf: Callable[[nn.Module], None] | None) -> None:
         """Initialize a block built on meta directly in the store, the way its model would."""
-        flat = self.store.flat("param", block.index)
-        flat.zero_()
         params = [nn.Parameter(v, requires_grad=False) for v in self.store.views("param", block.index)]
         self._bind_all(block, params)
         with torch.no_grad():

@@ -50,15 +50,12 @@ class HostStore:
             )
             return False
 
-    def flat(self, kind: str, block: int, dtype: torch.dtype = torch.float32, zero: bool = False) -> Tensor:
-        """The flat buffer of ``kind`` for ``block``, allocated on first use."""
+    def flat(self, kind: str, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The flat buffer of ``kind`` for ``block``, allocated (zeroed, padding included) on first use."""
         buffers = self._flat.setdefault(kind, [None] * len(self.blocks))
         buf = buffers[block]
         if buf is None:
-            buf = aligned_empty(self.blocks[block].numel, dtype, self.pin_memory)
-            if zero:
-                buf.zero_()
-            buffers[block] = buf
+            buf = buffers[block] = aligned_empty(self.blocks[block].numel, dtype, self.pin_memory).zero_()
         return buf
 
     def has(self, kind: str, block: int) -> bool:

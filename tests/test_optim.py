@@ -47,7 +47,9 @@ def _setup(params_of, **options):
     groups = params_of(net)
     torch_cls = options.pop("cls", torch.optim.AdamW)
     reference = torch_cls(groups, **options)
-    ours = CPUAdamW.from_optimizer(torch_cls(params_of(net), **options), store=store, grads=grads, locate=locate)
+    ours = CPUAdamW.from_optimizer(
+        torch_cls(params_of(net), **options), store=store, grads=grads, locate=locate
+    )
     return net, reference, ours, grads, locate
 
 

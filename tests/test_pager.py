@@ -23,7 +23,9 @@ def _pager(num_slots: int, depth: int = 0, blocks: int = 3) -> Pager:
     store = HostStore(discover_blocks(net, block_classes=[Layer]))
     for b in range(blocks):
         store.flat("param", b).fill_(b)
-    return Pager(store, torch.device("cpu"), torch.float32, num_slots, depth, lambda block: None, EngineStats())
+    return Pager(
+        store, torch.device("cpu"), torch.float32, num_slots, depth, lambda block: None, EngineStats()
+    )
 
 
 def _run_pass(pager: Pager, order: list[int]) -> list[float]:
@@ -58,7 +60,7 @@ def test_replay_evicts_the_block_needed_farthest_in_the_future():
     pager = _pager(num_slots=2)
     order = [0, 1, 2, 0, 1, 2]
     assert _run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
-    block_bytes = 8 * 8 * 4
+    block_bytes = pager.store.blocks[0].numel * 4  # 64 weights, padded
     before = pager.stats.h2d_bytes
     assert _run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
     # The pass starts with 1 and 2 cached. Belady: 0 evicts 2 (needed after 1), 1 hits, 2 evicts 1,

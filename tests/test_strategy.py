@@ -60,11 +60,13 @@ def test_weights_move_into_the_store_and_the_originals_are_freed():
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
     state = trainer.strategy.lightning_module_state_dict()
     assert torch.equal(state["model.lm_head.weight"], state["model.transformer.wte.weight"])
-    numel = sum(p.numel() for p in module.parameters())  # de-duplicated: tied counted once
+    params = list(module.parameters())  # de-duplicated: the tied weight counts once
+    numel = sum(p.numel() for p in params)
+    padding = 4 * 256 * len(params)  # each parameter starts on a 256-element boundary
     stats = trainer.strategy.stats
-    assert trainer.strategy.engine.store.nbytes("param") == 4 * numel
-    # store: master + grad + exp_avg + exp_avg_sq = 16 bytes per parameter (+ page alignment)
-    assert 16 * numel <= stats.host_bytes <= 16 * numel + 4096 * 4 * len(trainer.strategy.engine.blocks)
+    assert 4 * numel <= trainer.strategy.engine.store.nbytes("param") <= 4 * numel + padding
+    # store: master + grad + exp_avg + exp_avg_sq = 16 bytes per parameter
+    assert 16 * numel <= stats.host_bytes <= 4 * (4 * numel + padding)
     assert stats.peak_slot_bytes > 0 and stats.fetch_wait_s >= 0
 
 

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
+from megatrain_lightning.blocks import align_up
 from megatrain_lightning.grads import HostGrads
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
@@ -259,9 +260,6 @@ class CPUAdamW(Optimizer):
 
     def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
         present = set(self.grads.present(block))
-        if not self.store.has("exp_avg", block):
-            for kind in _STATE:
-                self.store.flat(kind, block, zero=True)
         flats = [self.store.flat(kind, block) for kind in ("param", "grad", *_STATE)]
         steps = self._steps[block]
         for group, indices in self._plan[block]:
@@ -297,16 +295,16 @@ class CPUAdamW(Optimizer):
                     steps[i] += 1
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
-        """Adjacent parameters with equal step counts, merged: ``(start, end, members)`` in the flat buffer.
-
-        Adam's arithmetic is elementwise, so one run computes bitwise what its parameters would one by one.
+        """Neighbouring parameters with equal step counts, merged: ``(start, end, members)`` in the flat
+        buffer. Adam's arithmetic is elementwise, so one run computes bitwise what its parameters would
+        one by one (the zero padding between them stays zero).
         """
         specs = self.store.blocks[block].params
         steps = self._steps[block]
         runs: list[tuple[int, int, list[int]]] = []
         for i in sorted(indices, key=lambda i: specs[i].offset):
             p = specs[i]
-            if runs and runs[-1][1] == p.offset and steps[runs[-1][2][0]] == steps[i]:
+            if runs and align_up(runs[-1][1]) == p.offset and steps[runs[-1][2][0]] == steps[i]:
                 runs[-1] = (runs[-1][0], p.offset + p.numel, [*runs[-1][2], i])
             else:
                 runs.append((p.offset, p.offset + p.numel, [i]))
@@ -345,7 +343,6 @@ class CPUAdamW(Optimizer):
                 continue
             self._steps[block][index] = int(saved["step"])
             for kind in _STATE:
-                self.store.flat(kind, block, zero=True)
                 self.store.views(kind, block)[index].copy_(saved[kind])
 
 
