@@ -69,6 +69,10 @@ class Block:
     numel: int = 0  # length of the flat buffer, padding included
     large_numel: int = 0  # where the small parameters begin
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's shaped view into a flat buffer of this block's layout."""
+        return [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params]
+
 
 ALIGN = 256  # elements; a multiple of every quantization block size
 SMALL_PARAM = 4096

@@ -48,7 +48,7 @@ class Engine:
     def __init__(self, model: nn.Module, blocks: list[Block], config: EngineConfig) -> None:
         self.blocks = blocks
         self.stats = EngineStats()
-        self.store = HostStore(blocks, pin_memory=config.pin_memory)
+        self.store = HostStore(blocks, pin_memory=config.pin_memory, stats=self.stats)
         self.grads = HostGrads(self.store, config.device, self.stats)
         self.optimizer: Any = None  # CPUAdamW once fitting
         self.locations: dict[
@@ -110,24 +110,24 @@ class Engine:
             aliases.setdefault(id(param), []).append(name)
         init_hf = _hf_initializer(model)
         for block in self.blocks:
-            views = self.store.views("param", block.index)
             metas = []
-            needs_init = False
-            for spec, view in zip(block.params, views, strict=True):
-                original = self._current_param(block, spec_index=len(metas))
-                for name in aliases[id(original)]:
-                    self.locations[name] = (block.index, len(metas))
-                if original.is_meta:
-                    needs_init = True
-                else:
-                    view.copy_(original.detach())
-                metas.append(
-                    nn.Parameter(torch.empty(spec.shape, device="meta"), requires_grad=spec.requires_grad)
-                )
+            with self.store.pinned(block.index, "param", write=True) as flat:
+                views = block.views(flat)
+                needs_init = False
+                for spec, view in zip(block.params, views, strict=True):
+                    original = self._current_param(block, spec_index=len(metas))
+                    for name in aliases[id(original)]:
+                        self.locations[name] = (block.index, len(metas))
+                    if original.is_meta:
+                        needs_init = True
+                    else:
+                        view.copy_(original.detach())
+                    meta = torch.empty(spec.shape, device="meta")
+                    metas.append(nn.Parameter(meta, requires_grad=spec.requires_grad))
+                if needs_init:
+                    self._initialize(block, views, init_hf)
             self._meta.append(metas)
-            if needs_init:
-                self._initialize(block, init_hf)
-            self._bind_all(block, self._meta[block.index])
+            self._bind_all(block, metas)
 
     def _current_param(self, block: Block, spec_index: int) -> nn.Parameter:
         for site in block.sites:
@@ -136,9 +136,11 @@ class Engine:
                     return binding.owner._parameters[binding.attr]
         raise AssertionError("every block parameter has a binding")
 
-    def _initialize(self, block: Block, init_hf: Callable[[nn.Module], None] | None) -> None:
+    def _initialize(
+        self, block: Block, views: list[Tensor], init_hf: Callable[[nn.Module], None] | None
+    ) -> None:
         """Initialize a block built on meta directly in the store, the way its model would."""
-        params = [nn.Parameter(v, requires_grad=False) for v in self.store.views("param", block.index)]
+        params = [nn.Parameter(v, requires_grad=False) for v in views]
         self._bind_all(block, params)
         with torch.no_grad():
             for site in block.sites:
@@ -167,7 +169,7 @@ class Engine:
         self, site: CallSite, module: nn.Module, state: dict, prefix: str, meta: Any
     ) -> None:
         self.wait_all()
-        views = self.store.views("param", site.block.index)
+        views = site.block.views(self.store.read(site.block.index, "param"))
         for binding in site.bindings:
             key = prefix + binding.name
             if key in state:
@@ -178,14 +180,15 @@ class Engine:
         parameters are meta); a wrong shape is left for the module to report as usual."""
         self.wait_all()
         block = site.block.index
-        views = self.store.views("param", block)
-        for binding in site.bindings:
-            key = prefix + binding.name
-            value = state.get(key)
-            if value is not None and value.shape == views[binding.index].shape:
-                views[binding.index].copy_(value)
-                del state[key]
-                self._loaded_keys.add(key)
+        with self.store.pinned(block, "param", write=True) as flat:
+            views = site.block.views(flat)
+            for binding in site.bindings:
+                key = prefix + binding.name
+                value = state.get(key)
+                if value is not None and value.shape == views[binding.index].shape:
+                    views[binding.index].copy_(value)
+                    del state[key]
+                    self._loaded_keys.add(key)
         self.pager.invalidate(block)
 
     def _forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:

@@ -91,23 +91,25 @@ class HostGrads:
         for grad in grads.values():
             self.stats.d2h_bytes += grad.numel() * grad.element_size()
         if block not in self._pass_sums and final:
-            self._add(self.store.views("grad", block), self._present[block], grads)
+            self._add(block, "grad", self._present[block], grads)
             return
-        self._add(self.store.views("grad_pass", block), self._pass_sums.setdefault(block, set()), grads)
+        self._add(block, "grad_pass", self._pass_sums.setdefault(block, set()), grads)
         if final:
             self._fold(block)
 
     def _fold(self, block: int) -> None:
         """Add this pass's summed contributions of ``block`` to the accumulation buffer."""
-        sums = self.store.views("grad_pass", block)
-        self._add(
-            self.store.views("grad", block),
-            self._present[block],
-            {i: sums[i] for i in self._pass_sums.pop(block)},
-        )
+        with self.store.pinned(block, "grad_pass") as flat:
+            sums = self.store.blocks[block].views(flat)
+            self._add(block, "grad", self._present[block], {i: sums[i] for i in self._pass_sums.pop(block)})
+        self.store.discard(block, "grad_pass")
+
+    def _add(self, block: int, kind: str, present: set[int], grads: dict[int, Tensor]) -> None:
+        with self.store.pinned(block, kind, write=True) as flat:
+            self._add_into(self.store.blocks[block].views(flat), present, grads)
 
     @staticmethod
-    def _add(dst: list[Tensor], present: set[int], grads: dict[int, Tensor]) -> None:
+    def _add_into(dst: list[Tensor], present: set[int], grads: dict[int, Tensor]) -> None:
         for index, grad in grads.items():
             if index in present:
                 dst[index].add_(grad)

@@ -155,6 +155,7 @@ class Pager:
             self._cond.wait()
 
     def _prefetch_ahead(self) -> None:
+        self.store.hint(self.trace.upcoming())
         uses = self._next_uses()
         wanted = [b for b in uses if b not in self._resident][: self.prefetch_depth]
         for block in sorted(wanted, key=uses.get):
@@ -168,18 +169,19 @@ class Pager:
         """Copy ``block``'s master weights into ``slot`` (lock not held)."""
         try:
             self._wait_for_update(block)
-            src = self.store.flat("param", block)
-            dst = slot.buf[: src.numel()]
-            start = time.perf_counter()
-            if self._copy_stream is not None:
-                with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(slot.released)
-                    dst.copy_(src, non_blocking=True)
-                    slot.copied.record(self._copy_stream)
-            else:
-                dst.copy_(src)
-            self.stats.h2d_s += time.perf_counter() - start
-            self.stats.h2d_bytes += src.numel() * src.element_size()
+            with self.store.pinned(block, "param") as src:
+                dst = slot.buf[: src.numel()]
+                start = time.perf_counter()
+                if self._copy_stream is not None:
+                    with torch.cuda.stream(self._copy_stream):
+                        self._copy_stream.wait_event(slot.released)
+                        dst.copy_(src, non_blocking=True)
+                        slot.copied.record(self._copy_stream)
+                    slot.copied.synchronize()  # the host buffer stays pinned until the copy has read it
+                else:
+                    dst.copy_(src)
+                self.stats.h2d_s += time.perf_counter() - start
+                self.stats.h2d_bytes += src.numel() * src.element_size()
             ready.set_result(None)
         except BaseException as err:  # surfaces in the waiting compute thread
             ready.set_exception(err)

@@ -1,84 +1,110 @@
 """The store: the authoritative host copy of every block.
 
 Each block owns one flat, page-aligned fp32 buffer of master weights (kind ``"param"``) and,
-beside it, flat buffers of the same layout for gradients and optimizer state. Everything that
-reads or writes a block's numbers goes through here, so a later tier (disk) only has to change
-where these buffers live.
+beside it, flat buffers of the same layout for gradients and optimizer state (other kinds).
+Everything that reads or writes a block's numbers goes through ``pinned``, so the disk tier
+(:class:`megatrain_lightning.disk.DiskStore`) only changes where these buffers live and when
+they move. In this host tier every buffer stays in RAM for the store's whole life.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
 from megatrain_lightning.blocks import Block
+from megatrain_lightning.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
-ALIGNMENT = 4096  # bytes; O_DIRECT needs page alignment
+ALIGNMENT = 4096  # bytes; O_DIRECT needs page alignment of addresses, offsets and lengths
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> Tensor:
-    """A 1-D host tensor whose first byte is ``ALIGNMENT``-aligned."""
+    """A 1-D host tensor whose first byte is ``ALIGNMENT``-aligned and whose storage extends to a
+    whole number of pages (so page-sized I/O into it stays inside it)."""
     nbytes = numel * dtype.itemsize
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
+    raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
     start = -raw.data_ptr() % ALIGNMENT
     return raw[start : start + nbytes].view(dtype)
 
 
+def can_pin_memory() -> bool:
+    """Whether page-locked host memory is available; warns once when CUDA is there but pinning fails."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError as err:  # memlock limits
+        log.warning(
+            f"megatrain: cannot pin host memory ({err}); using pageable memory, transfers will be slower."
+        )
+        return False
+
+
 class HostStore:
-    """Per-block flat host buffers, by kind (``param``, ``grad``, ``exp_avg``, ...)."""
+    """Per-block flat host buffers by kind (``param``, ``grad``, ``exp_avg``, ...), all in RAM."""
 
-    def __init__(self, blocks: list[Block], pin_memory: bool = False) -> None:
+    def __init__(
+        self, blocks: list[Block], pin_memory: bool = False, stats: EngineStats | None = None
+    ) -> None:
         self.blocks = blocks
-        self.pin_memory = pin_memory and self._can_pin()
-        self._flat: dict[str, list[Tensor | None]] = {}
-        self._views: dict[tuple[str, int], list[Tensor]] = {}
-        for block in blocks:
-            self.flat("param", block.index)
+        self.pin_memory = pin_memory
+        self.stats = stats or EngineStats()
+        self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._kinds: dict[str, tuple[torch.dtype, Callable[[Block], int]]] = {}
+        self._lock = threading.Lock()
 
-    @staticmethod
-    def _can_pin() -> bool:
-        try:
-            torch.empty(1, pin_memory=True)
-            return True
-        except RuntimeError as err:  # memlock limits, no driver
-            log.warning(
-                f"megatrain: cannot pin host memory ({err}); using pageable memory, transfers will be slower."
-            )
-            return False
+    def define_kind(self, kind: str, dtype: torch.dtype, numel: Callable[[Block], int]) -> None:
+        """Buffers of ``kind`` hold ``numel(block)`` elements of ``dtype`` (default: fp32, block layout)."""
+        self._kinds[kind] = (dtype, numel)
 
-    def flat(self, kind: str, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The flat buffer of ``kind`` for ``block``, allocated (zeroed, padding included) on first use."""
-        buffers = self._flat.setdefault(kind, [None] * len(self.blocks))
-        buf = buffers[block]
-        if buf is None:
-            buf = buffers[block] = aligned_empty(self.blocks[block].numel, dtype, self.pin_memory).zero_()
-        return buf
+    def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
+        dtype, numel = self._kinds.get(kind, (torch.float32, lambda b: b.numel))
+        return dtype, numel(self.blocks[block])
 
-    def has(self, kind: str, block: int) -> bool:
-        return self._flat.get(kind, [None] * len(self.blocks))[block] is not None
+    @contextlib.contextmanager
+    def pinned(self, block: int, kind: str, write: bool = False) -> Iterator[Tensor]:
+        """The flat buffer of ``kind`` for ``block`` (zeros until first written), held for the context."""
+        yield self._buffer(block, kind)
 
-    def views(self, kind: str, block: int) -> list[Tensor]:
-        """Shaped views of each parameter of ``block`` into its ``kind`` buffer (cached)."""
-        key = (kind, block)
-        if key not in self._views:
-            flat = self.flat(kind, block)
-            self._views[key] = [
-                flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.blocks[block].params
-            ]
-        return self._views[key]
+    def read(self, block: int, kind: str) -> Tensor:
+        """The current contents, for callers that keep them (state dicts): the buffer itself here."""
+        return self._buffer(block, kind)
 
-    def release(self, kind: str) -> None:
-        """Free every buffer of ``kind``."""
-        self._flat.pop(kind, None)
-        for key in [k for k in self._views if k[0] == kind]:
-            del self._views[key]
+    def written(self, block: int, kinds: Iterable[str]) -> None:
+        """``kinds`` of ``block`` changed outside ``pinned(write=True)`` bookkeeping (nothing to do here)."""
+
+    def discard(self, block: int, kind: str) -> None:
+        """The contents of ``kind`` are no longer needed (a consumed gradient): kept allocated here."""
+
+    def hint(self, future: list[tuple[int, bool]]) -> None:
+        """The predicted order of coming block accesses; a tier with a cache can load ahead."""
 
     def nbytes(self, *kinds: str) -> int:
-        selected = kinds or tuple(self._flat)
+        """Bytes of host memory the store holds (for ``kinds``, or all)."""
         return sum(
-            b.numel() * b.element_size() for k in selected for b in self._flat.get(k, ()) if b is not None
+            b.numel() * b.element_size() for (_, k), b in self._buffers.items() if not kinds or k in kinds
         )
+
+    def close(self) -> None:
+        """Release resources (files, threads); the host tier has none."""
+
+    def _buffer(self, block: int, kind: str) -> Tensor:
+        key = (block, kind)
+        buf = self._buffers.get(key)
+        if buf is None:
+            with self._lock:
+                buf = self._buffers.get(key)
+                if buf is None:
+                    dtype, numel = self.layout(block, kind)
+                    buf = aligned_empty(numel, dtype, self.pin_memory).zero_()
+                    self._buffers[key] = buf
+        return buf

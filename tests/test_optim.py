@@ -43,7 +43,7 @@ def _setup(params_of, **options):
             for binding in site.bindings:
                 param = binding.owner._parameters[binding.attr]
                 locate[id(param)] = (block.index, binding.index)
-                store.views("param", block.index)[binding.index].copy_(param.detach())
+                block.views(store.read(block.index, "param"))[binding.index].copy_(param.detach())
     groups = params_of(net)
     torch_cls = options.pop("cls", torch.optim.AdamW)
     reference = torch_cls(groups, **options)
@@ -51,6 +51,10 @@ def _setup(params_of, **options):
         torch_cls(params_of(net), **options), store=store, grads=grads, locate=locate
     )
     return net, reference, ours, grads, locate
+
+
+def _view(store, kind, block, index):
+    return store.blocks[block].views(store.read(block, kind))[index]
 
 
 def _groups(net):
@@ -84,14 +88,14 @@ def test_steps_equal_torch_bitwise_including_parameters_without_gradients(option
             grads.offload(block, found, final=True, then=lambda: None)
         for i, p in enumerate(params):
             block, index = locate[id(p)]
-            p.grad = None if i in skip else grads.store.views("grad", block)[index].clone()
+            p.grad = None if i in skip else _view(grads.store, "grad", block, index).clone()
         reference.step()
         reference.zero_grad()
         ours.step()
         ours.zero_grad()
     for p in params:
         block, index = locate[id(p)]
-        assert torch.equal(ours.store.views("param", block)[index], p.detach())
+        assert torch.equal(_view(ours.store, "param", block, index), p.detach())
     # The state dict has torch's format: a torch optimizer loads it and holds the same numbers.
     state = ours.state_dict()
     expected = reference.state_dict()
@@ -107,7 +111,7 @@ def test_state_dict_round_trip():
     ours.step()
     saved = {k: v for k, v in ours.state_dict().items()}
     saved["state"] = {k: {n: t.clone() for n, t in e.items()} for k, e in saved["state"].items()}
-    ours.store.flat("exp_avg", 0).zero_()
+    ours.store.read(0, "exp_avg").zero_()
     ours.load_state_dict(saved)
     again = ours.state_dict()
     assert all(torch.equal(again["state"][k]["exp_avg"], e["exp_avg"]) for k, e in saved["state"].items())

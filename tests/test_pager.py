@@ -22,7 +22,7 @@ def _pager(num_slots: int, depth: int = 0, blocks: int = 3) -> Pager:
     net = nn.Sequential(*[Layer() for _ in range(blocks)])
     store = HostStore(discover_blocks(net, block_classes=[Layer]))
     for b in range(blocks):
-        store.flat("param", b).fill_(b)
+        store.read(b, "param").fill_(b)
     return Pager(
         store, torch.device("cpu"), torch.float32, num_slots, depth, lambda block: None, EngineStats()
     )
@@ -85,7 +85,7 @@ def test_prefetch_runs_ahead_within_the_free_slots():
 def test_invalidate_drops_the_cached_copy():
     pager = _pager(num_slots=3)
     assert _run_pass(pager, [0, 1]) == [0, 1]
-    pager.store.flat("param", 0).fill_(7)
+    pager.store.read(0, "param").fill_(7)
     assert _run_pass(pager, [0]) == [0]  # still the cached copy: nobody said it changed
     pager.invalidate(0)
     assert _run_pass(pager, [0]) == [7]

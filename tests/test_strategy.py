@@ -117,7 +117,7 @@ def test_bf16_mixed_trains_with_fp32_masters():
     engine = run.trainer.strategy.engine
     assert engine.pager.dtype == torch.bfloat16
     assert all(
-        engine.store.flat(kind, b.index).dtype == torch.float32
+        engine.store.read(b.index, kind).dtype == torch.float32
         for b in engine.blocks
         for kind in ("param", "grad", "exp_avg", "exp_avg_sq")
     )

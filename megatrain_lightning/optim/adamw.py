@@ -16,6 +16,7 @@ parameters of the flat buffers: the arithmetic, and so the result, is bitwise th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -209,14 +210,24 @@ class CPUAdamW(Optimizer):
         """Global-norm clipping with exactly ``torch.nn.utils.clip_grad_norm_``'s arithmetic."""
         self._check_can_clip()
         self.grads.flush()
-        present = [set(self.grads.present(b)) for b in range(len(self.store.blocks))]
-        grads = [self.store.views("grad", b)[i] for b, i in self._order if i in present[b]]
-        if not grads:
+        norms: dict[tuple[int, int], Tensor] = {}
+        for block in range(len(self.store.blocks)):
+            present = self.grads.present(block)
+            if not present:
+                continue
+            with self.store.pinned(block, "grad", write=self._clip.value is not None) as flat:
+                views = self.store.blocks[block].views(flat)
+                grads = [views[i] for i in present]
+                if self._clip.value is not None:
+                    self._clamp(grads, self._clip.value)
+                norms.update(zip(((block, i) for i in present), torch._foreach_norm(grads, 2.0), strict=True))
+        self._clip = _Clip()
+        if not norms:
             return torch.tensor(0.0)
-        if self._clip.value is not None:
-            self._clamp(grads, self._clip.value)
-            self._clip = _Clip()
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        # Stacked in torch's order (param groups, then parameters) so the total is bitwise torch's.
+        total = torch.linalg.vector_norm(
+            torch.stack([norms[key] for key in self._order if key in norms]), 2.0
+        )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._clip = _Clip(coef=coef)
         return total
@@ -259,8 +270,18 @@ class CPUAdamW(Optimizer):
             future.set_exception(err)
 
     def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
+        with contextlib.ExitStack() as pins:
+            flats = [
+                pins.enter_context(self.store.pinned(block, k, write=True))
+                for k in ("param", "grad", *_STATE)
+            ]
+            self._update_pinned(block, flats, hparams, clip)
+        self.store.discard(block, "grad")
+
+    def _update_pinned(
+        self, block: int, flats: list[Tensor], hparams: list[_GroupHparams], clip: _Clip
+    ) -> None:
         present = set(self.grads.present(block))
-        flats = [self.store.flat(kind, block) for kind in ("param", "grad", *_STATE)]
         steps = self._steps[block]
         for group, indices in self._plan[block]:
             runs = self._runs(block, [i for i in indices if i in present])
@@ -319,8 +340,8 @@ class CPUAdamW(Optimizer):
             step = self._steps[block][index]
             if step == 0:
                 continue
-            views = [self.store.views(kind, block)[index] for kind in _STATE]
-            state[i] = {"step": torch.tensor(float(step)), "exp_avg": views[0], "exp_avg_sq": views[1]}
+            m, v = (self.store.blocks[block].views(self.store.read(block, kind))[index] for kind in _STATE)
+            state[i] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
         groups, start = [], 0
         for group in self.param_groups:
             entry = {k: v for k, v in group.items() if k != "params"}
@@ -343,7 +364,8 @@ class CPUAdamW(Optimizer):
                 continue
             self._steps[block][index] = int(saved["step"])
             for kind in _STATE:
-                self.store.views(kind, block)[index].copy_(saved[kind])
+                with self.store.pinned(block, kind, write=True) as flat:
+                    self.store.blocks[block].views(flat)[index].copy_(saved[kind])
 
 
 # LR schedulers built on the user's optimizer are rebound to this one; mark ``step`` the way their
