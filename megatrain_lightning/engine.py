@@ -23,7 +23,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatrain_lightning.blocks import Block, CallSite, discover_blocks
+from megatrain_lightning.disk import DiskStore
 from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.io import IOConfig
 from megatrain_lightning.pager import Pager
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
@@ -37,6 +39,24 @@ class EngineConfig:
     prefetch_depth: int = 1
     activation_checkpointing: bool = True
     pin_memory: bool = False
+    offload_dir: str | None = None  # the disk tier, or None for the host tier
+    cache_bytes: int = 0  # disk tier: host cache budget
+    keep_offload_dir: bool = False
+    io: IOConfig = field(default_factory=IOConfig)
+
+    def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
+        if self.offload_dir is None:
+            return HostStore(blocks, pin_memory=self.pin_memory, stats=stats)
+        return DiskStore(
+            blocks,
+            self.offload_dir,
+            self.cache_bytes,
+            kinds=["param"],
+            pin_memory=self.pin_memory,
+            stats=stats,
+            io=self.io,
+            keep=self.keep_offload_dir,
+        )
 
 
 # The engine that holds a module's weights, for as long as the module lives: a later Trainer (or
@@ -48,7 +68,7 @@ class Engine:
     def __init__(self, model: nn.Module, blocks: list[Block], config: EngineConfig) -> None:
         self.blocks = blocks
         self.stats = EngineStats()
-        self.store = HostStore(blocks, pin_memory=config.pin_memory, stats=self.stats)
+        self.store = config.make_store(blocks, self.stats)
         self.grads = HostGrads(self.store, config.device, self.stats)
         self.optimizer: Any = None  # CPUAdamW once fitting
         self.locations: dict[
@@ -83,10 +103,16 @@ class Engine:
         """New device, dtype or slot budget; the store, and so the weights, stay."""
         if config == self.config:
             return
-        if config.device != self.config.device or config.pin_memory != self.config.pin_memory:
-            raise RuntimeError("megatrain: a model's store cannot move to another device type once built")
+        fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir")
+        if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
+            raise RuntimeError(
+                f"megatrain: this model's store was built for {self.config.device} with offload_dir="
+                f"{self.config.offload_dir!r}; a later strategy must use the same device and tier."
+            )
         self.wait_all()
         self.pager.close()
+        if isinstance(self.store, DiskStore):
+            self.store.cache_bytes = config.cache_bytes
         self.config = config
         self.pager = self._make_pager(config)
 
@@ -126,6 +152,7 @@ class Engine:
                     metas.append(nn.Parameter(meta, requires_grad=spec.requires_grad))
                 if needs_init:
                     self._initialize(block, views, init_hf)
+            self.store.written(block.index, ["param"])
             self._meta.append(metas)
             self._bind_all(block, metas)
 
@@ -189,6 +216,7 @@ class Engine:
                     views[binding.index].copy_(value)
                     del state[key]
                     self._loaded_keys.add(key)
+        self.store.written(block, ["param"])
         self.pager.invalidate(block)
 
     def _forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
@@ -196,11 +224,13 @@ class Engine:
         self._loaded_keys.clear()
 
     def close(self) -> None:
-        """Stop the worker threads (the store stays readable)."""
+        """Stop the worker threads and release the store (the disk tier removes its files unless kept).
+        Otherwise that happens when the model is garbage-collected or the process exits."""
         if self.optimizer is not None:
             self.optimizer.close()
         self.grads.close()
         self.pager.close()
+        self.store.close()
 
     # -- running --
 

@@ -155,7 +155,7 @@ class Pager:
             self._cond.wait()
 
     def _prefetch_ahead(self) -> None:
-        self.store.hint(self.trace.upcoming())
+        self.store.hint(self.trace.future())
         uses = self._next_uses()
         wanted = [b for b in uses if b not in self._resident][: self.prefetch_depth]
         for block in sorted(wanted, key=uses.get):

@@ -16,6 +16,11 @@ class EngineStats:
     optimizer_s: float = 0.0  # time spent in block updates (worker threads)
     optimizer_wait_s: float = 0.0  # compute-thread time spent waiting for block updates
     trace_deviations: int = 0  # passes that left the recorded block order
+    disk_read_bytes: int = 0  # disk tier: bytes read from offload_dir
+    disk_write_bytes: int = 0
+    disk_read_s: float = 0.0  # time in reads (I/O threads, summed)
+    disk_write_s: float = 0.0
+    peak_host_cache_bytes: int = 0  # disk tier: most bytes the host cache ever held
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -94,6 +94,9 @@ class HostStore:
             b.numel() * b.element_size() for (_, k), b in self._buffers.items() if not kinds or k in kinds
         )
 
+    def flush(self) -> None:
+        """Make the authoritative copy complete (the disk tier writes its dirty cache back)."""
+
     def close(self) -> None:
         """Release resources (files, threads); the host tier has none."""
 

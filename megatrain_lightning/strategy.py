@@ -19,10 +19,19 @@ from torch import nn
 from typing_extensions import override
 
 from megatrain_lightning.blocks import Block
+from megatrain_lightning.disk import region_bytes
 from megatrain_lightning.engine import Engine, EngineConfig
+from megatrain_lightning.io import IOConfig
 from megatrain_lightning.optim import CPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
+from megatrain_lightning.preflight import (
+    available_ram_bytes,
+    check_disk_space,
+    check_host_ram,
+    prepare_offload_dir,
+)
 from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store import can_pin_memory
 
 _GB = 1e9
 COMPRESSIONS = ("none",)
@@ -48,14 +57,20 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     Args:
         max_vram_gb: device memory for parameter slots, in GB. ``None``: all of the device's free memory
             minus a fifth for activations on CUDA, the whole model on CPU.
-        max_cpu_gb: host memory budget for the store in GB (the disk tier's cache size).
-        offload_dir: directory for the disk tier (must be a directory or creatable).
+        max_cpu_gb: host memory for the disk tier's cache of the store, in GB (``None``: the store's size,
+            at most half the available RAM). Never more than the available RAM.
+        offload_dir: folder for the disk tier: master weights and optimizer state live in files under
+            it, in RAM only through the cache. ``"auto"``: ``<default_root_dir>/megatrain_offload``.
+            ``None``: everything stays in host RAM.
+        keep_offload_dir: keep the store's files when the model is freed (they are removed otherwise).
         optimizer_compression: ``"none"``.
         block_classes: classes (or class names) of the repeated layers; default: the Hugging Face
             model's ``_no_split_modules``.
         activation_checkpointing: keep only block-boundary activations and recompute each block in backward.
         prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow).
         optimizer_threads: worker threads for block updates.
+        io_threads: disk tier: blocks read or written at once.
+        io_chunk_mb: disk tier: size of each read or write call.
     """
 
     strategy_name = "megatrain"
@@ -66,11 +81,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         max_vram_gb: float | None = None,
         max_cpu_gb: float | None = None,
         offload_dir: str | os.PathLike | None = None,
+        keep_offload_dir: bool = False,
         optimizer_compression: str | bool = "none",
         block_classes: Iterable[str | type[nn.Module]] | None = None,
         activation_checkpointing: bool = True,
         prefetch_depth: int | str = "auto",
         optimizer_threads: int = 1,
+        io_threads: int = 4,
+        io_chunk_mb: int = 8,
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
@@ -79,7 +97,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self._parallel_devices: list[torch.device] | None = None
         self.max_vram_gb = _budget("max_vram_gb", max_vram_gb)
         self.max_cpu_gb = _budget("max_cpu_gb", max_cpu_gb)
-        self.offload_dir = self._check_offload_dir(offload_dir)
+        if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+            raise MisconfigurationException(
+                f"`offload_dir` must be a path, 'auto' or None; got {offload_dir!r}."
+            )
+        self.offload_dir = None if offload_dir is None else os.fspath(offload_dir)
+        self.keep_offload_dir = bool(keep_offload_dir)
         if optimizer_compression is False:
             optimizer_compression = "none"
         if optimizer_compression not in COMPRESSIONS:
@@ -96,21 +119,20 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}."
             )
         self.prefetch_depth = prefetch_depth
-        if not isinstance(optimizer_threads, int) or optimizer_threads < 1:
-            raise MisconfigurationException(
-                f"`optimizer_threads` must be an int >= 1; got {optimizer_threads!r}."
-            )
+        for name, value in [
+            ("optimizer_threads", optimizer_threads),
+            ("io_threads", io_threads),
+            ("io_chunk_mb", io_chunk_mb),
+        ]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MisconfigurationException(f"`{name}` must be an int >= 1; got {value!r}.")
         self.optimizer_threads = optimizer_threads
+        self.io = IOConfig(chunk_bytes=io_chunk_mb << 20, threads=io_threads)
+        if self.offload_dir is not None and self.offload_dir != "auto":
+            prepare_offload_dir(self.offload_dir)
+        if self.max_cpu_gb is not None:
+            check_host_ram(self.max_cpu_gb)
         self.engine: Engine | None = None
-
-    @staticmethod
-    def _check_offload_dir(path: str | os.PathLike | None) -> str | None:
-        if path is None:
-            return None
-        path = os.fspath(path)
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise MisconfigurationException(f"`offload_dir={path!r}` exists and is not a directory.")
-        return path
 
     # -- devices --
 
@@ -176,17 +198,49 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.setup_precision_plugin()
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
+        """Size the slots (for the disk tier: check the folder, the disk and the cache) from the blocks."""
         dtype = self.precision_plugin.compute_dtype
         slot_bytes = max(b.numel for b in blocks) * dtype.itemsize
         num_slots = self._num_slots(slot_bytes, sum(b.numel for b in blocks) * dtype.itemsize, len(blocks))
+        offload_dir, cache_bytes = self._disk_tier(blocks, num_slots)
         return EngineConfig(
             device=self.root_device,
             compute_dtype=dtype,
             num_slots=num_slots,
             prefetch_depth=max(num_slots - 1, 1) if self.prefetch_depth == "auto" else self.prefetch_depth,
             activation_checkpointing=self.activation_checkpointing,
-            pin_memory=self.root_device.type == "cuda",
+            pin_memory=self.root_device.type == "cuda" and can_pin_memory(),
+            offload_dir=offload_dir,
+            cache_bytes=cache_bytes,
+            keep_offload_dir=self.keep_offload_dir,
+            io=self.io,
         )
+
+    def _disk_tier(self, blocks: list[Block], num_slots: int) -> tuple[str | None, int]:
+        if self.offload_dir is None:
+            return None, 0
+        path = self.offload_dir
+        if path == "auto":
+            path = os.path.join(self.lightning_module.trainer.default_root_dir, "megatrain_offload")
+        path = prepare_offload_dir(path)
+        one_kind = region_bytes(blocks)
+        # Files: master weights, Adam m and v, the gradient accumulator, per-pass sums of tied blocks.
+        tied = region_bytes([b for b in blocks if len(b.sites) > 1])
+        check_disk_space(path, 4 * one_kind + tied)
+        largest = 4 * max(b.numel for b in blocks)
+        # In use at once: fetches into every slot, each optimizer thread's param/grad/m/v, offloads.
+        working_set = (num_slots + 4 * self.optimizer_threads + 3) * largest
+        if self.max_cpu_gb is None:
+            cache = max(working_set, min(4 * one_kind, available_ram_bytes() // 2))
+        else:
+            cache = int(self.max_cpu_gb * _GB)
+        if cache < working_set:
+            raise MisconfigurationException(
+                f"`max_cpu_gb={self.max_cpu_gb}` cannot hold the blocks in use at once ({num_slots} slots, "
+                f"{self.optimizer_threads} optimizer threads: {working_set / _GB:.3g} GB). Raise it to at "
+                "least that, or lower `max_vram_gb`/`optimizer_threads`."
+            )
+        return path, cache
 
     def _num_slots(self, slot_bytes: int, model_bytes: int, num_blocks: int) -> int:
         if self.max_vram_gb is None:
@@ -286,6 +340,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         """Wait for pending updates and move buffers back; the store stays, so ``state_dict`` still works."""
         if self.engine is not None:
             self.engine.wait_all()
+            self.engine.store.flush()
         if self.lightning_module is not None:
             for module in self.lightning_module.modules():
                 for name, buf in module._buffers.items():
@@ -301,6 +356,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Block-paged training of models larger than GPU memory"
+        )
+        strategy_registry.register(
+            "megatrain_nvme",
+            cls,
+            description="megatrain with the store on disk under <default_root_dir>/megatrain_offload",
+            offload_dir="auto",
         )
 
 

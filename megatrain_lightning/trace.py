@@ -48,6 +48,10 @@ class Trace:
         """Predicted accesses after the current one (empty when not following)."""
         return self._replay[self._pos + 1 :] if self.following else []
 
+    def future(self) -> list[Access]:
+        """The predicted rest of this pass, then the whole next one."""
+        return self.upcoming() + self._replay if self.following else []
+
     def is_last_use(self, block: int) -> bool:
         """True when the current access is, by the prediction, this pass's last use of ``block``."""
         return self.following and self._last_use.get(block) == self._pos

@@ -277,6 +277,7 @@ class CPUAdamW(Optimizer):
             ]
             self._update_pinned(block, flats, hparams, clip)
         self.store.discard(block, "grad")
+        self.store.written(block, ("param", *_STATE))
 
     def _update_pinned(
         self, block: int, flats: list[Tensor], hparams: list[_GroupHparams], clip: _Clip

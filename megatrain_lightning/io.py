@@ -1,0 +1,89 @@
+"""Block-sized file I/O at disk speed: O_DIRECT into page-aligned buffers, in threads that release
+the GIL (``os.preadv``/``os.pwritev``), in chunks. Where the filesystem refuses O_DIRECT (tmpfs),
+files are opened buffered instead, and that is logged once.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+_warned_buffered: set[str] = set()
+
+
+class StoreIOError(OSError):
+    """A read or write of the disk store failed; the message names the file and what to do."""
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    chunk_bytes: int = 8 << 20  # per preadv/pwritev call
+    threads: int = 4  # blocks in flight at once (the queue depth, in blocks)
+    direct: bool = True  # O_DIRECT where the filesystem allows it
+
+
+class BlockFile:
+    """One preallocated file of fixed size; ``read``/``write`` move whole page-aligned regions."""
+
+    def __init__(self, path: str, size: int, config: IOConfig) -> None:
+        self.path = path
+        self.config = config
+        self.direct = False
+        flags = os.O_RDWR | os.O_CREAT
+        if config.direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                self.direct = True
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise StoreIOError(err.errno, f"megatrain: cannot open {path}: {err.strerror}") from err
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o600)
+            folder = os.path.dirname(path)
+            if config.direct and folder not in _warned_buffered:
+                _warned_buffered.add(folder)
+                log.warning(f"megatrain: {folder} refuses O_DIRECT (tmpfs?); using buffered I/O there.")
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as err:
+            os.close(self.fd)
+            raise StoreIOError(
+                err.errno, f"megatrain: cannot reserve {size / 1e9:.2f} GB for {path}: {err.strerror}"
+            ) from err
+
+    def read(self, offset: int, buf: Tensor) -> None:
+        """Fill ``buf`` (a page-aligned uint8 tensor, whole pages long) from ``offset``."""
+        view = memoryview(buf.numpy())
+        for start in range(0, len(view), self.config.chunk_bytes):
+            chunk = view[start : start + self.config.chunk_bytes]
+            self._check(os.preadv(self.fd, [chunk], offset + start), len(chunk), "read")
+
+    def write(self, offset: int, buf: Tensor) -> None:
+        view = memoryview(buf.numpy())
+        for start in range(0, len(view), self.config.chunk_bytes):
+            chunk = view[start : start + self.config.chunk_bytes]
+            self._check(os.pwritev(self.fd, [chunk], offset + start), len(chunk), "write")
+
+    def _check(self, done: int, wanted: int, what: str) -> None:
+        if done != wanted:
+            raise StoreIOError(
+                errno.EIO, f"megatrain: short {what} on {self.path} ({done} of {wanted} bytes)"
+            )
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def io_error(err: OSError, path: str, what: str) -> StoreIOError:
+    """A clear error for a failed store read/write (the run stops; checkpoints are unaffected)."""
+    hint = (
+        "the disk under offload_dir is full: free space or point `offload_dir` at a larger disk"
+        if err.errno == errno.ENOSPC
+        else "check the disk under offload_dir"
+    )
+    return StoreIOError(err.errno, f"megatrain: {what} {path} failed: {err.strerror or err}; {hint}.")

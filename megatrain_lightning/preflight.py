@@ -1,0 +1,57 @@
+"""Checks that run before any work: each failure is a clear error saying what to change."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import psutil
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+_GB = 1e9
+DISK_MARGIN = 0.05  # fraction of the store's size kept free beyond it
+DISK_MARGIN_BYTES = 256 << 20
+
+
+def free_disk_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def available_ram_bytes() -> int:
+    return psutil.virtual_memory().available
+
+
+def prepare_offload_dir(path: str) -> str:
+    """Create ``path`` if needed and check that it is a writable directory."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise MisconfigurationException(f"`offload_dir={path!r}` exists and is not a directory.")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise MisconfigurationException(
+            f"`offload_dir={path!r}` is not a writable directory ({err.strerror}); choose another folder."
+        ) from err
+    return path
+
+
+def check_disk_space(path: str, need_bytes: int) -> None:
+    want = int(need_bytes * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
+    free = free_disk_bytes(path)
+    if free < want:
+        raise MisconfigurationException(
+            f"megatrain's store needs {want / _GB:.2f} GB under `offload_dir={path!r}` (weights, gradients "
+            f"and optimizer state, plus a margin) but only {free / _GB:.2f} GB are free. Free space or "
+            "choose another `offload_dir`."
+        )
+
+
+def check_host_ram(max_cpu_gb: float) -> None:
+    available = available_ram_bytes()
+    if max_cpu_gb * _GB > available:
+        raise MisconfigurationException(
+            f"`max_cpu_gb={max_cpu_gb}` is more than the {available / _GB:.1f} GB of RAM available; lower it."
+        )

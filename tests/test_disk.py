@@ -1,0 +1,181 @@
+"""The disk tier: files under offload_dir, a bounded host cache, identical training, clear failures."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import assert_same_training, fit, tiny_model
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.disk import STORE_DIRNAME, DiskStore
+from megatrain_lightning.io import BlockFile, StoreIOError
+
+CASES = [
+    # arch, activation checkpointing, accumulate_grad_batches, gradient clipping
+    ("llama", True, 4, ("norm", 1.0)),
+    ("gpt2", False, 1, ("value", 0.02)),
+    ("qwen2_moe", True, 1, None),
+]
+
+
+def _budgets(model: torch.nn.Module) -> dict[str, float]:
+    """Two blocks of slots, and a host cache of a quarter of the model's fp32 weights."""
+    blocks = discover_blocks(model)
+    largest = 4 * max(b.numel for b in blocks)
+    cache = sum(4 * b.numel for b in blocks) / 4
+    assert cache >= 9 * largest, "model too shallow for the cache to hold the blocks in use at once"
+    return {"max_vram_gb": 2 * largest / 1e9, "max_cpu_gb": cache / 1e9}
+
+
+@pytest.mark.parametrize(("arch", "checkpointing", "accumulate", "clip"), CASES)
+def test_disk_tier_trains_exactly_like_plain(tmp_path, arch, checkpointing, accumulate, clip):
+    model = tiny_model(arch, num_hidden_layers=40, hidden_size=32, intermediate_size=64)
+    kwargs = {"accumulate_grad_batches": accumulate}
+    if clip is not None:
+        kwargs |= {"gradient_clip_algorithm": clip[0], "gradient_clip_val": clip[1]}
+    strategy = MegaTrainStrategy(
+        offload_dir=tmp_path, activation_checkpointing=checkpointing, keep_offload_dir=True, **_budgets(model)
+    )
+    plain = fit(model, "auto", steps=8, **kwargs)
+    paged = fit(model, strategy, steps=8, **kwargs)
+    assert_same_training(plain, paged)
+    stats = paged.trainer.strategy.stats
+    assert stats.peak_host_cache_bytes <= strategy.max_cpu_gb * 1e9
+    assert stats.disk_read_bytes > 0 and stats.disk_write_bytes > 0
+    manifest = json.loads((tmp_path / STORE_DIRNAME / "manifest.json").read_text())
+    assert len(manifest["blocks"]) == len(paged.trainer.strategy.engine.blocks)
+    assert {"param.bin", "exp_avg.bin", "exp_avg_sq.bin"} <= set(os.listdir(tmp_path / STORE_DIRNAME))
+
+
+def test_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def open_refusing_direct(path, flags, *args, **kwargs):
+        if str(path).endswith(".bin") and flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs on older kernels, or some FUSE mounts
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr("megatrain_lightning.io.os.open", open_refusing_direct)
+    model = tiny_model("llama", num_hidden_layers=40, hidden_size=32, intermediate_size=64)
+    plain = fit(model, "auto", steps=3)
+    paged = fit(model, MegaTrainStrategy(offload_dir=tmp_path, **_budgets(model)), steps=3)
+    assert_same_training(plain, paged)
+    assert "refuses O_DIRECT" in caplog.text
+    engine = paged.trainer.strategy.engine
+    assert not engine.store._files["param"].direct
+    engine.close()
+    assert not os.path.exists(engine.store.directory), "closing the engine leaves the store's files"
+
+
+def test_offload_dir_in_use_by_another_run(tmp_path):
+    blocks = discover_blocks(tiny_model("llama"))
+    first = DiskStore(blocks, str(tmp_path), 1 << 24, kinds=["param"])
+    with pytest.raises(StoreIOError, match="in use by pid"):
+        DiskStore(blocks, str(tmp_path), 1 << 24, kinds=["param"])
+    first.close()
+    DiskStore(blocks, str(tmp_path), 1 << 24, kinds=["param"]).close()
+
+
+def test_offload_dir_that_cannot_be_used(tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(MisconfigurationException, match="not a directory"):
+        MegaTrainStrategy(offload_dir=afile)
+    with pytest.raises(MisconfigurationException, match="not a writable directory"):
+        MegaTrainStrategy(offload_dir=afile / "sub")
+
+
+def test_too_little_disk_space_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr("megatrain_lightning.preflight.free_disk_bytes", lambda path: 10 << 20)
+    with pytest.raises(MisconfigurationException, match="GB are free"):
+        fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=tmp_path), steps=1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_max_cpu_gb_above_available_ram(monkeypatch):
+    monkeypatch.setattr("megatrain_lightning.preflight.available_ram_bytes", lambda: 1 << 30)
+    with pytest.raises(MisconfigurationException, match="RAM available"):
+        MegaTrainStrategy(max_cpu_gb=2)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_failed_write_stops_the_run_with_the_path(tmp_path, monkeypatch, code):
+    write = BlockFile.write
+    calls = {"n": 0}
+
+    def failing_write(self, offset, buf):
+        calls["n"] += 1
+        if calls["n"] > 60:
+            raise OSError(code, os.strerror(code))
+        write(self, offset, buf)
+
+    monkeypatch.setattr(BlockFile, "write", failing_write)
+    model = tiny_model("llama", num_hidden_layers=40, hidden_size=32, intermediate_size=64)
+    with pytest.raises(StoreIOError, match=f"writing {tmp_path}.*failed") as info:
+        fit(model, MegaTrainStrategy(offload_dir=tmp_path, **_budgets(model)), steps=20)
+    if code == errno.ENOSPC:
+        assert "larger disk" in str(info.value)
+
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys, threading, time
+    import lightning as L, psutil, torch
+    import megatrain_lightning
+    from megatrain_lightning.data import TextDataModule
+    from megatrain_lightning.models import CausalLMModule, tiny_config
+
+    folder, cache_gb = sys.argv[1], float(sys.argv[2])
+    config = tiny_config("llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=8)
+    module = CausalLMModule(config, lr=1e-4, max_steps=2)  # built on meta in configure_model
+    process = psutil.Process()
+    peak = {"rss": 0}
+    def watch():
+        while True:
+            peak["rss"] = max(peak["rss"], process.memory_info().rss)
+            time.sleep(0.005)
+    threading.Thread(target=watch, daemon=True).start()
+    time.sleep(0.05)
+    baseline = peak["rss"]
+    slots_gb = 2 * 4 * 3_200_000 / 1e9
+    strategy = megatrain_lightning.MegaTrainStrategy(offload_dir=folder, max_cpu_gb=cache_gb, max_vram_gb=slots_gb)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=64, batch_size=1))
+    time.sleep(0.05)
+    params = sum(p.numel() for p in module.parameters())
+    print(json.dumps({"baseline": baseline, "peak": peak["rss"], "params": params,
+                      "slots": strategy.engine.pager.num_slots * strategy.engine.pager._slots[0].buf.nbytes,
+                      "cache_peak": strategy.stats.peak_host_cache_bytes}))
+    """
+)
+
+FIXED_OVERHEAD = 400e6  # activations, allocator slack, thread stacks, Lightning's own state
+
+
+def test_a_model_three_times_the_cache_trains_within_the_memory_bound(tmp_path):
+    cache_gb = 0.3
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path), str(cache_gb)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    weights_and_adam = 12 * figures["params"]
+    assert weights_and_adam >= 3 * cache_gb * 1e9
+    assert figures["cache_peak"] <= cache_gb * 1e9
+    grown = figures["peak"] - figures["baseline"]
+    assert grown <= cache_gb * 1e9 + figures["slots"] + FIXED_OVERHEAD, figures
+    assert not (tmp_path / STORE_DIRNAME).exists(), "the store's files outlived the process"
