@@ -8,13 +8,13 @@ The shipped corpus (``megatrain_lightning/data/tiny_corpus.txt``, written by
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 SHIPPED_CORPUS = "tiny_corpus.txt"
 _EXTENSIONS = (".txt", ".jsonl")
@@ -40,6 +40,26 @@ class ByteTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+
+class EpochShuffle(Sampler[int]):
+    """A permutation drawn from ``(seed, epoch)``: Lightning calls ``set_epoch``, so a run resumed at an
+    epoch boundary sees exactly the batches the uninterrupted run saw."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
 
 
 class TokenWindowDataset(Dataset):
@@ -171,12 +191,10 @@ class TextDataModule(L.LightningDataModule):
     def _loader(self, dataset: TokenWindowDataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("TextDataModule.setup() must run before its dataloaders are requested")
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=generator,
+            sampler=EpochShuffle(len(dataset), self.seed) if shuffle else None,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,10 +26,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from megatrain_lightning.blocks import Block, CallSite, discover_blocks
 from megatrain_lightning.disk import DiskStore
 from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.hf import find_entry, weight_sources
 from megatrain_lightning.io import IOConfig
 from megatrain_lightning.pager import Pager
+from megatrain_lightning.safetensors_io import read_into
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -135,26 +140,38 @@ class Engine:
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(param), []).append(name)
         init_hf = _hf_initializer(model)
+        sources = weight_sources(model)
+        missing = []
         for block in self.blocks:
-            metas = []
+            originals = [self._current_param(block, i) for i in range(len(block.params))]
+            for index, original in enumerate(originals):
+                for name in aliases[id(original)]:
+                    self.locations[name] = (block.index, index)
+            stored = [find_entry(sources, aliases[id(p)]) if p.is_meta else None for p in originals]
+            unfilled = [
+                s.name for s, p, e in zip(block.params, originals, stored, strict=True) if p.is_meta and not e
+            ]
+            missing += unfilled
             with self.store.pinned(block.index, "param", write=True) as flat:
                 views = block.views(flat)
-                needs_init = False
-                for spec, view in zip(block.params, views, strict=True):
-                    original = self._current_param(block, spec_index=len(metas))
-                    for name in aliases[id(original)]:
-                        self.locations[name] = (block.index, len(metas))
-                    if original.is_meta:
-                        needs_init = True
-                    else:
-                        view.copy_(original.detach())
-                    meta = torch.empty(spec.shape, device="meta")
-                    metas.append(nn.Parameter(meta, requires_grad=spec.requires_grad))
-                if needs_init:
+                if unfilled:
                     self._initialize(block, views, init_hf)
+                for view, original, entry in zip(views, originals, stored, strict=True):
+                    if entry is not None:
+                        read_into(entry, view)
+                    elif not original.is_meta:
+                        view.copy_(original.detach())
             self.store.written(block.index, ["param"])
+            metas = [
+                nn.Parameter(torch.empty(s.shape, device="meta"), requires_grad=s.requires_grad)
+                for s in block.params
+            ]
             self._meta.append(metas)
             self._bind_all(block, metas)
+        if sources and missing:
+            log.warning(
+                f"megatrain: {len(missing)} parameters are not in the checkpoint; initialized: {missing[:5]}"
+            )
 
     def _current_param(self, block: Block, spec_index: int) -> nn.Parameter:
         for site in block.sites:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,10 +18,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
+from megatrain_lightning import checkpoint as checkpointing
 from megatrain_lightning.blocks import Block
 from megatrain_lightning.disk import region_bytes
 from megatrain_lightning.engine import Engine, EngineConfig
 from megatrain_lightning.io import IOConfig
+from megatrain_lightning.meta import init_on_meta
 from megatrain_lightning.optim import CPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.preflight import (
@@ -180,7 +182,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Parameters created here go to the meta device; buffers stay real (on the CPU)."""
-        with _meta_parameters(), self.precision_plugin.tensor_init_context():
+        with init_on_meta(), self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -333,6 +335,69 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     # -- state --
 
+    # -- checkpoints: directories streamed from and into the store --
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the store must exist to load into
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full fp32 weights as views of the store, like a plain ``state_dict``. With the disk tier the
+        weights are not all in RAM: this is empty, and checkpoints stream them (see ``save_checkpoint``);
+        ``module.state_dict()`` still gives a full copy when one is wanted."""
+        if self.offload_dir is not None:
+            return {}
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Only the param groups: ``save_checkpoint`` streams the per-block state itself."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return {"state": {}, "param_groups": optimizer.param_groups_state()}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """A checkpoint directory at ``filepath`` (see :mod:`megatrain_lightning.checkpoint`)."""
+        engine = self.engine
+        assert engine is not None
+        engine.wait_all()
+        state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        state["megatrain_rng"] = torch.get_rng_state()
+        optimizer = engine.optimizer if checkpoint.get("optimizer_states") else None
+        checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not checkpointing.is_checkpoint_dir(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        ckpt = checkpointing.CheckpointDir.verify(checkpoint_path)
+        checkpointing.check_compatible(ckpt, self.engine)
+        state = ckpt.lightning_state()
+        state["state_dict"] = {}
+        state["megatrain_checkpoint"] = ckpt
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        ckpt = checkpoint.get("megatrain_checkpoint")
+        if ckpt is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        checkpointing.load_weights(ckpt, self.engine, self.lightning_module)
+        torch.set_rng_state(checkpoint["megatrain_rng"])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        ckpt = checkpoint.get("megatrain_checkpoint")
+        if ckpt is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        optimizer = self.engine.optimizer
+        optimizer.load_param_groups(checkpoint["optimizer_states"][0]["param_groups"])
+        checkpointing.load_optimizer(ckpt, self.engine, optimizer)
+
     # -- the end --
 
     @override
@@ -363,21 +428,3 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             description="megatrain with the store on disk under <default_root_dir>/megatrain_offload",
             offload_dir="auto",
         )
-
-
-@contextlib.contextmanager
-def _meta_parameters() -> Generator[None, None, None]:
-    """Create parameters on the meta device and buffers for real (``init_empty_weights`` style)."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            meta = module._parameters[name].to("meta")
-            module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register

@@ -332,32 +332,65 @@ class CPUAdamW(Optimizer):
                 runs.append((p.offset, p.offset + p.numel, [i]))
         return runs
 
+    # -- checkpoints: one block's state at a time --
+
+    def block_state(self, block: int) -> dict[str, Tensor]:
+        """``block``'s optimizer state as flat tensors: each state buffer and per-parameter step counts."""
+        self.wait(block)
+        state = {kind: self.store.read(block, kind) for kind in _STATE}
+        state["step"] = torch.tensor(self._steps[block], dtype=torch.int64)
+        return state
+
+    def load_block_state(self, block: int, tensors: dict[str, Tensor]) -> None:
+        self.wait(block)
+        for kind in _STATE:
+            with self.store.pinned(block, kind, write=True) as flat:
+                if tensors[kind].shape != flat.shape or tensors[kind].dtype != flat.dtype:
+                    raise ValueError(
+                        f"megatrain: saved optimizer state {kind!r} of block {block} has another layout"
+                    )
+                flat.copy_(tensors[kind])
+        self._steps[block] = tensors["step"].tolist()
+        self.store.written(block, _STATE)
+
+    def load_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Hyperparameters (lr, betas, ...) of saved param groups; the parameters stay this optimizer's."""
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("megatrain: the optimizer state does not match this model's param groups")
+        for group, saved in zip(self.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
     # -- state dict, in torch.optim.AdamW's format --
 
     def state_dict(self) -> dict[str, Any]:
         self.wait_all()
         state: dict[int, dict[str, Tensor]] = {}
+        views: dict[int, list[list[Tensor]]] = {}
         for i, (block, index) in enumerate(self._order):
             step = self._steps[block][index]
             if step == 0:
                 continue
-            m, v = (self.store.blocks[block].views(self.store.read(block, kind))[index] for kind in _STATE)
+            if block not in views:
+                views[block] = [
+                    self.store.blocks[block].views(self.store.read(block, kind)) for kind in _STATE
+                ]
+            m, v = (kind_views[index] for kind_views in views[block])
             state[i] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
+        return {"state": state, "param_groups": self.param_groups_state()}
+
+    def param_groups_state(self) -> list[dict[str, Any]]:
+        """The param groups as ``torch.optim`` saves them: hyperparameters, parameters by number."""
         groups, start = [], 0
         for group in self.param_groups:
             entry = {k: v for k, v in group.items() if k != "params"}
             entry["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             groups.append(entry)
-        return {"state": state, "param_groups": groups}
+        return groups
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_all()
-        groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("megatrain: the optimizer state does not match this model's param groups")
-        for group, saved in zip(self.param_groups, groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.load_param_groups(state_dict["param_groups"])
         for i, (block, index) in enumerate(self._order):
             saved = state_dict["state"].get(i, state_dict["state"].get(str(i)))
             if saved is None:

@@ -1,0 +1,148 @@
+"""Streaming safetensors: read tensors straight into the store, write shards from it.
+
+The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte
+range) and the raw bytes. Reading with ``pread`` into the destination (not ``mmap``) keeps
+resident memory at what the store holds; writing computes a SHA-256 of every byte as it goes,
+so checkpoints carry checksums without a second read. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file is missing, truncated or malformed; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def read_header(path: str) -> dict[str, TensorEntry]:
+    """Index one safetensors file, checking that every byte range lies inside it."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise SafetensorsError(f"{path}: header length {length} exceeds the file ({size} bytes)")
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SafetensorsError(f"{path} is not a readable safetensors file: {err}") from err
+    base = 8 + length
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            entry = TensorEntry(path, DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, end - begin)
+        except (KeyError, TypeError, ValueError) as err:
+            raise SafetensorsError(f"{path}: malformed entry for {name!r}") from err
+        numel = 1
+        for d in entry.shape:
+            numel *= d
+        if entry.nbytes != numel * entry.dtype.itemsize or entry.start + entry.nbytes > size:
+            raise SafetensorsError(f"{path} is truncated or corrupt: {name!r} does not fit in the file")
+        entries[name] = entry
+    return entries
+
+
+def read_into(entry: TensorEntry, dst: Tensor) -> None:
+    """Read one tensor into ``dst`` (contiguous, host, same shape), converting the dtype if needed."""
+    if tuple(dst.shape) != entry.shape:
+        raise SafetensorsError(f"{entry.path}: shape {entry.shape} is not the model's {tuple(dst.shape)}")
+    target = dst if dst.dtype == entry.dtype else torch.empty(entry.shape, dtype=entry.dtype)
+    view = memoryview(target.view(-1).view(torch.uint8).numpy())
+    with open(entry.path, "rb", buffering=0) as f:
+        done = os.preadv(f.fileno(), [view], entry.start)
+    if done != entry.nbytes:
+        raise SafetensorsError(f"{entry.path} is truncated: read {done} of {entry.nbytes} bytes")
+    if target is not dst:
+        dst.copy_(target)
+
+
+class ShardWriter:
+    """One safetensors file written tensor by tensor (``write``), hashed as it goes."""
+
+    def __init__(
+        self,
+        path: str,
+        tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        header: dict = {"__metadata__": dict(metadata or {})}
+        offset = 0
+        self._layout = []
+        for name, dtype, shape in tensors:
+            nbytes = dtype.itemsize
+            for d in shape:
+                nbytes *= d
+            header[name] = dict(dtype=NAMES[dtype], shape=list(shape), data_offsets=[offset, offset + nbytes])
+            self._layout.append((name, nbytes))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.path = path
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by ``close``, which returns the checksum)
+        self._sha = hashlib.sha256()
+        self._next = 0
+        self._emit(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, tensor: Tensor) -> None:
+        """Append ``name``'s bytes; tensors must come in the order they were declared."""
+        expected, nbytes = self._layout[self._next]
+        data = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        if name != expected or len(data) != nbytes:
+            raise ValueError(f"{self.path}: expected {expected!r} ({nbytes} bytes), got {name!r}")
+        self._next += 1
+        self._emit(data)
+
+    def close(self) -> str:
+        """Flush to disk and return the file's SHA-256."""
+        if self._next != len(self._layout):
+            raise ValueError(f"{self.path}: {len(self._layout) - self._next} tensors were never written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._sha.hexdigest()
+
+    def _emit(self, data: bytes | memoryview) -> None:
+        self._sha.update(data)
+        self._file.write(data)
+
+
+def sha256_file(path: str, chunk: int = 16 << 20) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+    return sha.hexdigest()
