@@ -1,0 +1,330 @@
+"""Hugging Face models in and out of the store, and checkpoint directories that resume exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import lightning as L
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoModelForCausalLM
+
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.hf import export_hf, from_pretrained
+from megatrain_lightning.models import CausalLMModule, tiny_config
+from megatrain_lightning.safetensors_io import SafetensorsError, sha256_file
+
+
+def _trainer(strategy=None, **kwargs) -> L.Trainer:
+    defaults = dict(
+        strategy=strategy or MegaTrainStrategy(),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return L.Trainer(**(defaults | kwargs))
+
+
+def _logits(trainer: L.Trainer, module: CausalLMModule, ids: torch.Tensor) -> torch.Tensor:
+    module.predict_step = lambda batch, batch_idx: module(batch).logits
+    return trainer.predict(module, torch.utils.data.DataLoader([ids], batch_size=None))[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sharded_hf_model_streams_into_the_store(tmp_path, arch):
+    model = tiny_model(arch)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    module = CausalLMModule(str(tmp_path))
+    ids = torch.randint(0, 256, (2, 24))
+    logits = _logits(_trainer(), module, ids)
+    assert all(p.is_meta for p in module.parameters())  # never materialized
+    expected = model(input_ids=ids).logits
+    assert (logits - expected).abs().max() <= 1e-6
+
+
+def test_a_model_built_on_meta_outside_lightning_reads_lazily(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)
+    lazy = from_pretrained(str(tmp_path), lazy=True)
+    assert all(p.is_meta for p in lazy.parameters())
+    eager = from_pretrained(str(tmp_path), lazy=False)
+    assert not any(p.is_meta for p in eager.parameters())
+
+
+def test_bad_model_directories(tmp_path):
+    with pytest.raises(Exception, match="not a Hugging Face model directory"):
+        from_pretrained(str(tmp_path))
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
+    os.rename(tmp_path / shards[0], tmp_path / "moved")
+    with pytest.raises(Exception, match="is missing"):
+        from_pretrained(str(tmp_path))
+    os.rename(tmp_path / "moved", tmp_path / shards[0])
+    with open(tmp_path / shards[1], "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / shards[1]) - 100)
+    with pytest.raises(SafetensorsError, match="truncated"):
+        from_pretrained(str(tmp_path))
+
+
+def _fit_and_save(tmp_path, strategy=None, steps=4) -> tuple[CausalLMModule, L.Trainer, str]:
+    module = CausalLMModule(tiny_model("gpt2"), lr=1e-3, max_steps=10)
+    trainer = _trainer(strategy, max_steps=steps, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2))
+    path = str(tmp_path / "a.ckpt")
+    trainer.save_checkpoint(path)
+    return module, trainer, path
+
+
+def test_checkpoint_directory_layout_and_export(tmp_path):
+    module, trainer, path = _fit_and_save(tmp_path)
+    assert is_checkpoint_dir(path)
+    ckpt = CheckpointDir.verify(path)
+    assert {"lightning.pt", "model/buffers.safetensors", "model/config.json"} <= set(ckpt.manifest["files"])
+    state = torch.load(os.path.join(path, "lightning.pt"), weights_only=True)  # no arbitrary unpickling
+    assert state["global_step"] == 4 and "state_dict" not in state
+    # Export: a save_pretrained directory whose model computes the trained model's logits.
+    export_hf(path, str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 256, (2, 16))
+    assert (exported(input_ids=ids).logits - _logits(trainer, module, ids)).abs().max() <= 1e-6
+
+
+def test_export_console_command(tmp_path):
+    _, _, path = _fit_and_save(tmp_path, steps=1)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatrain_lightning.cli", "export", path, str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
+def test_corrupt_or_foreign_checkpoints_are_refused_before_loading(tmp_path):
+    _, _, path = _fit_and_save(tmp_path, steps=1)
+    shard = os.path.join(path, "model", "block-00001.safetensors")
+    with open(shard, "r+b") as f:  # flip one byte of the weights
+        f.seek(-10, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    module = CausalLMModule(tiny_model("gpt2"), lr=1e-3)
+    with pytest.raises(CheckpointError, match="checksum"):
+        _trainer(max_steps=2).fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=path)
+    _, _, path = _fit_and_save(tmp_path / "b", steps=1)
+    os.truncate(shard.replace(str(tmp_path), str(tmp_path / "b")), 100)
+    with pytest.raises(CheckpointError, match="truncated"):
+        CheckpointDir.verify(path)
+    _, _, path = _fit_and_save(tmp_path / "c", steps=1)
+    other = CausalLMModule(tiny_model("gpt2", n_layer=3), lr=1e-3)
+    with pytest.raises(CheckpointError, match="other parameters or shapes"):
+        _trainer(max_steps=2).fit(other, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=path)
+
+
+def test_loading_never_unpickles_code(tmp_path):
+    _, _, path = _fit_and_save(tmp_path, steps=1)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    target = os.path.join(path, "lightning.pt")
+    with open(target, "wb") as f:
+        pickle.dump({"global_step": Evil()}, f)
+    manifest_path = tmp_path / "a.ckpt" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["lightning.pt"] = {"bytes": os.path.getsize(target), "sha256": sha256_file(target)}
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(Exception, match="(?i)weights.only|unpickl"):
+        CheckpointDir.verify(path).lightning_state()
+    assert not (tmp_path / "pwned").exists()
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import lightning as L, torch
+    sys.path.insert(0, sys.argv[5])
+    from conftest import tiny_model
+    from megatrain_lightning import MegaTrainStrategy
+    from megatrain_lightning.data import TextDataModule
+    from megatrain_lightning.models import CausalLMModule
+
+    mode, root, tier, compression = sys.argv[1:5]
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.losses = {}
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if mode == "killed" and trainer.global_step == 7:
+                os.kill(os.getpid(), signal.SIGKILL)
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.losses[trainer.global_step] = float(outputs["loss"])
+
+    kwargs = {"optimizer_compression": compression}
+    if tier == "disk":
+        kwargs |= {"offload_dir": os.path.join(root, "offload-" + mode), "max_cpu_gb": 0.003}
+    record = Record()
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpt-" + mode), every_n_train_steps=5, save_top_k=-1)
+    trainer = L.Trainer(strategy=MegaTrainStrategy(**kwargs), accelerator="cpu", max_steps=10,
+                        limit_train_batches=5, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[record, checkpoints])
+    module = CausalLMModule(tiny_model("llama", num_hidden_layers=8), lr=3e-3, max_steps=10)
+    resume = os.path.join(root, "ckpt-killed", "epoch=0-step=5.ckpt") if mode == "resumed" else None
+    torch.manual_seed(0)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=resume)
+    weights = {k: v.tolist() for k, v in module.state_dict().items()}
+    print(json.dumps({"losses": record.losses, "weights": weights}))
+    """
+)
+
+
+def _run(mode: str, root, tier: str, compression: str) -> subprocess.CompletedProcess:
+    tests = os.path.dirname(__file__)
+    return subprocess.run(
+        [sys.executable, "-c", RESUME_SCRIPT, mode, str(root), tier, compression, tests],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("compression", ["none"])
+def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, tier, compression):
+    full = _run("full", tmp_path, tier, compression)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _run("killed", tmp_path, tier, compression)
+    assert killed.returncode == -signal.SIGKILL
+    assert is_checkpoint_dir(tmp_path / "ckpt-killed" / "epoch=0-step=5.ckpt")
+    resumed = _run("resumed", tmp_path, tier, compression)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = json.loads(full.stdout.strip().splitlines()[-1])
+    got = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert sorted(got["losses"], key=int) == [str(s) for s in range(6, 11)]  # steps 6-10
+    for step, loss in got["losses"].items():
+        assert loss == expected["losses"][step], f"step {step}"
+    assert got["weights"] == expected["weights"]
+
+
+SAVE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import lightning as L
+    sys.path.insert(0, sys.argv[2])
+    from conftest import tiny_model
+    from megatrain_lightning import MegaTrainStrategy, safetensors_io
+    from megatrain_lightning.data import TextDataModule
+    from megatrain_lightning.models import CausalLMModule
+
+    root = sys.argv[1]
+    trainer = L.Trainer(strategy=MegaTrainStrategy(), accelerator="cpu", max_steps=2, logger=False,
+                        enable_progress_bar=False, limit_val_batches=0, enable_checkpointing=False,
+                        enable_model_summary=False)
+    module = CausalLMModule(tiny_model("llama"), lr=1e-3)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2))
+    trainer.save_checkpoint(os.path.join(root, "good.ckpt"))
+    write = safetensors_io.ShardWriter.write
+    def slow_write(self, name, tensor):
+        time.sleep(0.2)
+        write(self, name, tensor)
+    safetensors_io.ShardWriter.write = slow_write
+    print("saving", flush=True)
+    trainer.save_checkpoint(os.path.join(root, "next.ckpt"))
+    trainer.save_checkpoint(os.path.join(root, "good.ckpt"))
+    """
+)
+
+
+def test_sigkill_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
+    tests = os.path.dirname(__file__)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVE_SCRIPT, str(tmp_path), tests], stdout=subprocess.PIPE, text=True
+    )
+    while (line := proc.stdout.readline()) and line.strip() != "saving":
+        pass
+    deadline = time.time() + 60
+    while not any(".tmp-" in name for name in os.listdir(tmp_path)) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not is_checkpoint_dir(tmp_path / "next.ckpt")
+    assert not os.path.exists(tmp_path / "next.ckpt")  # only the temporary directory exists
+    CheckpointDir.verify(tmp_path / "good.ckpt")
+    module = CausalLMModule(tiny_model("llama"), lr=1e-3)
+    trainer = _trainer(max_steps=3)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=tmp_path / "good.ckpt")
+    assert trainer.global_step == 3
+
+
+LOAD_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import lightning as L, psutil, torch
+    from megatrain_lightning import MegaTrainStrategy
+    from megatrain_lightning.data import TextDataModule
+    from megatrain_lightning.models import CausalLMModule
+
+    model_dir, offload = sys.argv[1], sys.argv[2]
+    process = psutil.Process()
+    peak = {"rss": 0}
+    def watch():
+        while True:
+            peak["rss"] = max(peak["rss"], process.memory_info().rss)
+            time.sleep(0.005)
+    threading.Thread(target=watch, daemon=True).start()
+    time.sleep(0.05)
+    baseline = peak["rss"]
+    module = CausalLMModule(model_dir)
+    strategy = MegaTrainStrategy(offload_dir=offload, max_cpu_gb=0.2, max_vram_gb=0.03)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        limit_val_batches=1, enable_model_summary=False)
+    loss = trainer.validate(module, datamodule=TextDataModule(seq_len=16, batch_size=1), verbose=False)[0]
+    time.sleep(0.05)
+    print(json.dumps({"baseline": baseline, "peak": peak["rss"], "val_loss": loss["val_loss"]}))
+    """
+)
+
+
+def test_a_gigabyte_model_loads_in_a_fraction_of_its_size(tmp_path):
+    config = tiny_config(
+        "llama",
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=80,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert model_bytes >= 1e9
+    model.save_pretrained(tmp_path / "model", max_shard_size="300MB")
+    del model
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, str(tmp_path / "model"), str(tmp_path / "offload")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < figures["val_loss"] < 10
+    # Bound: the RSS the load adds stays below half the model's fp32 size (the cache is 0.2 GB).
+    assert figures["peak"] - figures["baseline"] < model_bytes / 2, figures
