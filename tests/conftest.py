@@ -47,7 +47,8 @@ class Run:
     losses: list[float] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.trainer.strategy.lightning_module_state_dict()
+        """The module's weights (for megatrain: read from the store by its state_dict hooks)."""
+        return self.module.state_dict()
 
 
 def fit(
