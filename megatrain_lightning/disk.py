@@ -31,6 +31,7 @@ from megatrain_lightning.blocks import Block
 from megatrain_lightning.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import ALIGNMENT, HostStore, aligned_empty
+from megatrain_lightning.timeline import TIMELINE
 
 STORE_DIRNAME = "megatrain_store"
 _NEVER = float("inf")
@@ -257,6 +258,7 @@ class DiskStore(HostStore):
             raise io_error(err, file.path, "reading") from err
         finally:
             self._done()
+        TIMELINE.record("disk", start, time.perf_counter())
         self.stats.disk_read_s += time.perf_counter() - start
         self.stats.disk_read_bytes += entry.raw.numel()
 
@@ -275,6 +277,7 @@ class DiskStore(HostStore):
             raise failure from err
         finally:
             self._done()
+        TIMELINE.record("disk", start, time.perf_counter())
         self.stats.disk_write_s += time.perf_counter() - start
         self.stats.disk_write_bytes += entry.raw.numel()
 

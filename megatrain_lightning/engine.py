@@ -32,6 +32,7 @@ from megatrain_lightning.pager import Pager
 from megatrain_lightning.safetensors_io import read_into
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
+from megatrain_lightning.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,8 @@ class Engine:
         self.store = config.make_store(blocks, self.stats)
         self.grads = HostGrads(self.store, config.device, self.stats)
         self.optimizer: Any = None  # CPUAdamW once fitting
-        self.locations: dict[
-            str, tuple[int, int]
-        ] = {}  # qualified parameter name (every alias) -> (block, index)
+        # Qualified parameter name (every alias of a tied weight) -> (block, index in block).
+        self.locations: dict[str, tuple[int, int]] = {}
         self._meta: list[list[nn.Parameter]] = []
         self._anchor = torch.zeros((), requires_grad=True)
         self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see _load_hook)
@@ -276,7 +276,7 @@ class Engine:
         trains = any(p.requires_grad for p in site.block.params) or any(t.requires_grad for t in tensors)
         call = _Call(forward, flat, spec, positions)
         if not (torch.is_grad_enabled() and trains):
-            with self._resident(site, backward=False, grad=False):
+            with self._resident(site, backward=False, grad=False), TIMELINE.span("compute"):
                 return forward(*args, **kwargs)
         outputs = _PagedCall.apply(self, site, call, self._anchor, *tensors)
         return call.rebuild_outputs(outputs)
@@ -381,7 +381,7 @@ class _PagedCall(torch.autograd.Function):
         )
         if engine.config.activation_checkpointing:
             ctx.rng = _rng_state(engine.config.device)
-            with engine._resident(site, backward=False, grad=False):
+            with engine._resident(site, backward=False, grad=False), TIMELINE.span("compute"):
                 outputs = call.run(tensors)
             ctx.save_for_backward(*tensors)
         else:
@@ -400,7 +400,11 @@ class _PagedCall(torch.autograd.Function):
                         return ctx.slot_now.as_strided(saved.size, saved.stride, saved.offset)
                     return saved
 
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                with (
+                    torch.enable_grad(),
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                    TIMELINE.span("compute"),
+                ):
                     outputs = call.run(inputs)
             ctx.graph = (outputs, inputs, leaves)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
@@ -413,7 +417,10 @@ class _PagedCall(torch.autograd.Function):
         site, call = ctx.site, ctx.call
         block = site.block.index
         checkpointed = engine.config.activation_checkpointing
-        with engine._resident(site, backward=True, grad=checkpointed) as (slot, bound):
+        with (
+            engine._resident(site, backward=True, grad=checkpointed) as (slot, bound),
+            TIMELINE.span("compute"),
+        ):
             last_use = engine.pager.is_last_use(block)
             if checkpointed:
                 inputs = _detached(ctx.saved_tensors)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore, aligned_empty
+from megatrain_lightning.timeline import TIMELINE
 
 
 class HostGrads:
@@ -88,6 +89,10 @@ class HostGrads:
         then()
 
     def _accumulate(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
+        with TIMELINE.span("offload"):
+            self._accumulate_now(block, grads, final)
+
+    def _accumulate_now(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
         for grad in grads.values():
             self.stats.d2h_bytes += grad.numel() * grad.element_size()
         if block not in self._pass_sums and final:

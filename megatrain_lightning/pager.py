@@ -20,6 +20,7 @@ from torch import Tensor
 
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
+from megatrain_lightning.timeline import TIMELINE
 from megatrain_lightning.trace import Trace
 
 _NEVER = float("inf")
@@ -180,7 +181,9 @@ class Pager:
                     slot.copied.synchronize()  # the host buffer stays pinned until the copy has read it
                 else:
                     dst.copy_(src)
-                self.stats.h2d_s += time.perf_counter() - start
+                end = time.perf_counter()
+                TIMELINE.record("fetch", start, end)
+                self.stats.h2d_s += end - start
                 self.stats.h2d_bytes += src.numel() * src.element_size()
             ready.set_result(None)
         except BaseException as err:  # surfaces in the waiting compute thread

@@ -33,6 +33,7 @@ from megatrain_lightning.blocks import align_up
 from megatrain_lightning.grads import HostGrads
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
+from megatrain_lightning.timeline import TIMELINE
 
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 _STATE = ("exp_avg", "exp_avg_sq")
@@ -264,7 +265,9 @@ class CPUAdamW(Optimizer):
         try:
             start = time.perf_counter()
             self._update(block, hparams, clip)
-            self.stats.optimizer_s += time.perf_counter() - start
+            end = time.perf_counter()
+            TIMELINE.record("optimizer", start, end)
+            self.stats.optimizer_s += end - start
             future.set_result(None)
         except BaseException as err:  # re-raised in whoever waits for this block
             future.set_exception(err)
