@@ -17,6 +17,8 @@ import torch
 from torchmetrics.text import Perplexity
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from megatrain_lightning.hf import from_pretrained
+
 TINY_ARCHS = ("llama", "gpt2", "qwen2_moe", "mixtral")
 BYTE_VOCAB = 256
 
@@ -241,32 +243,38 @@ class CausalLMModule(L.LightningModule):
         self.test_ppl = Perplexity(ignore_index=-100)
 
     def configure_model(self) -> None:
-        """Build the model unless it exists; the strategy's init context decides the device.
+        """Build the model unless it exists; the strategy's init context decides where.
 
-        From a model directory the weights are loaded here, except when the default device is
-        ``meta`` (the megatrain strategy): then the strategy loads them from
-        :attr:`pretrained_path`.
+        Under megatrain parameters are created on meta and the strategy fills its store block by
+        block: from the shards of a model directory (streamed, never the whole model in memory),
+        or with the model's own initialization.
         """
         if self.model is not None:
             return
-        on_meta = torch.empty(0).device.type == "meta"
-        if self.pretrained_path is not None and not on_meta:
-            self.model = AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=torch.float32)
+        if self.pretrained_path is not None:
+            self.model = from_pretrained(self.pretrained_path)
         else:
             self.model = AutoModelForCausalLM.from_config(self.config)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> Any:
+        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False)
 
     def _shared_eval(self, batch: dict[str, torch.Tensor], prefix: str, metric: Perplexity) -> torch.Tensor:
-        out = self(batch["input_ids"], labels=batch["labels"])
+        out = self(batch["input_ids"], labels=batch["labels"], attention_mask=batch.get("attention_mask"))
         metric(out.logits[:, :-1].float(), batch["labels"][:, 1:])
         self.log(f"{prefix}_loss", out.loss, prog_bar=True)
         self.log(f"{prefix}_ppl", metric)
         return out.loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(batch["input_ids"], labels=batch["labels"]).loss
+        loss = self(
+            batch["input_ids"], labels=batch["labels"], attention_mask=batch.get("attention_mask")
+        ).loss
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

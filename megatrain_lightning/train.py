@@ -1,14 +1,17 @@
 """Hydra training app: ``megatrain-train`` (console script) or ``python examples/train.py``.
 
-Composes ``configs/train.yaml`` from the groups ``model/``, ``data/``, ``strategy/`` and
-``trainer/``, then fits. Examples::
+Composes ``configs/train.yaml`` from the groups ``model/``, ``data/``, ``strategy/``, ``trainer/``,
+``callbacks/`` and ``logger/``, then fits. Examples::
 
     megatrain-train                                   # tiny Llama, shipped corpus, megatrain strategy
     megatrain-train strategy=plain model=tiny_gpt2    # Lightning's default strategy
-    megatrain-train strategy.offload_dir=/nvme/offload trainer.max_steps=200
+    megatrain-train strategy=megatrain_nvme strategy.max_vram_gb=2 trainer.max_steps=200
+    megatrain-train --multirun model.lr=1e-3,3e-3     # one run per value
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import hydra
 import lightning as L
@@ -29,14 +32,30 @@ def build_strategy(cfg: DictConfig | str | None) -> object:
     return instantiate(cfg)
 
 
+def instantiate_named(cfg: DictConfig | None) -> list[Any]:
+    """Instantiate each entry of a ``name -> config`` group such as ``callbacks`` or ``logger``."""
+    if not cfg:
+        return []
+    return [instantiate(entry) for entry in cfg.values() if entry is not None]
+
+
 def run(cfg: DictConfig) -> float | None:
-    """Fit the configured module on the configured data; return the last logged ``train_loss``."""
+    """Fit the configured module on the configured data; return the last logged ``train_loss``.
+
+    Callbacks and loggers are the entries of the ``callbacks`` and ``logger`` groups; with no
+    logger entry the run logs nothing (rather than Lightning's default logger in the cwd).
+    """
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model)
     strategy = build_strategy(cfg.get("strategy"))
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    trainer = L.Trainer(strategy=strategy, **trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=strategy,
+        callbacks=instantiate_named(cfg.get("callbacks")),
+        logger=instantiate_named(cfg.get("logger")) or False,
+        **trainer_kwargs,
+    )
     trainer.fit(module, datamodule=datamodule)
     loss = trainer.callback_metrics.get("train_loss")
     if loss is None:

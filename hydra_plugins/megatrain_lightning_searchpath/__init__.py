@@ -1,0 +1,1 @@
+"""Hydra plugin of megatrain_lightning: its configs on every Hydra app's search path."""

@@ -1,0 +1,100 @@
+"""``megatrain``: the LightningCLI subcommands ``fit``, ``validate``, ``test``, ``predict``, and ``plan``.
+
+The Lightning subcommands take ``CausalLMModule`` (``--model.*``) and ``TextDataModule`` (``--data.*``)
+and every ``Trainer`` argument (``--trainer.*``), from flags or ``--config`` YAML files, e.g.::
+
+    megatrain fit --config configs/cli/tiny.yaml --trainer.strategy=megatrain
+    megatrain fit --trainer.strategy=megatrain_lightning.MegaTrainStrategy --trainer.strategy.max_vram_gb=2
+    megatrain plan --model 7b --vram 80 --ram 512 --disk 4000
+
+``plan`` is not a ``Trainer`` method, so a small dispatcher routes it before LightningCLI parses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.hf import export_hf
+from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.planner import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, format_plan, plan_for
+
+_DESCRIPTION = (
+    "Train Hugging Face causal LMs with Lightning and the megatrain strategy. "
+    "Also: `megatrain plan --help` (will a model fit this machine?)."
+)
+
+
+def lightning_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
+    """The LightningCLI of ``megatrain``; ``run=False`` only parses and instantiates (for tests)."""
+    return LightningCLI(
+        CausalLMModule,
+        TextDataModule,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": _DESCRIPTION},
+    )
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatrain plan",
+        description="Memory needs (GB) of plain AdamW, ZeRO-Offload and megatrain for a model on a machine, "
+        "the settings megatrain would choose, and a step-time lower bound.",
+    )
+    add = parser.add_argument
+    add("--model", required=True, help="preset (tiny, 170m, 1b, 7b, 70b), a config.json or a model directory")
+    add("--vram", type=float, required=True, help="GPU memory, GB")
+    add("--ram", type=float, required=True, help="host memory, GB")
+    add("--disk", type=float, default=0.0, help="free space for the disk tier, GB")
+    add("--pcie-gbps", type=float, default=25.0, help="host<->GPU bandwidth, GB/s")
+    add("--disk-gbps", type=float, default=6.0, help="disk bandwidth, GB/s")
+    add("--tflops", type=float, default=400.0, help="GPU compute in the compute dtype, TFLOP/s")
+    add("--tokens-per-step", type=int, default=4096, help="tokens per optimizer step")
+    add("--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch (default: one per step)")
+    add("--compute-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    add("--compression", choices=COMPRESSIONS, default="none", help="optimizer state of interest")
+    add("--no-activation-checkpointing", action="store_true", help="keep all activations")
+    return parser
+
+
+def plan_main(argv: list[str]) -> None:
+    """``megatrain plan``: print the planner's table."""
+    a = plan_parser().parse_args(argv)
+    machine = Machine(a.vram, a.ram, a.disk, a.pcie_gbps, a.disk_gbps, a.tflops)
+    workload = Workload(
+        a.tokens_per_step, a.micro_batch_tokens, a.compute_dtype, not a.no_activation_checkpointing
+    )
+    print(format_plan(plan_for(a.model, machine, a.compression, workload)))
+
+
+def export_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="megatrain export", description="Write a megatrain checkpoint as a save_pretrained directory."
+    )
+    parser.add_argument("checkpoint", help="a megatrain checkpoint directory (e.g. .../last.ckpt)")
+    parser.add_argument("out", help="the Hugging Face model directory to write")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    export_hf(args.checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    print(f"wrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point; ``argv`` defaults to ``sys.argv[1:]`` (LightningCLI reads it itself then)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["plan"]:
+        plan_main(args[1:])
+    elif args[:1] == ["export"]:
+        export_main(args[1:])
+    else:
+        lightning_cli(argv)
+
+
+if __name__ == "__main__":
+    main()

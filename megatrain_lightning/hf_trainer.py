@@ -1,0 +1,362 @@
+"""The seed article's API for Hugging Face ``Trainer`` users::
+
+    import megatrain_lightning as mt
+
+    mt.init(offload_dir="/nvme/offload", max_vram_gb=20)
+    mt.Trainer(model=hf_model, train_dataset=ds, args=TrainingArguments(...)).train()
+
+``Trainer`` runs Lightning with the megatrain strategy and maps the ``TrainingArguments`` it can
+honour onto Lightning (batch size, accumulation, AdamW hyperparameters, the ``transformers``
+scheduler and warmup, clipping, steps or epochs, logging, saving and evaluation intervals,
+``output_dir``, ``bf16``, seeds, data loading). Each argument it cannot honour is named in one
+:class:`UnsupportedArgumentWarning`. Datasets yield dicts with ``input_ids`` (and optionally
+``attention_mask`` and ``labels``; without labels the inputs are the labels, padding masked).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable, Sized
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, Dataset
+from transformers import PreTrainedModel, TrainingArguments, default_data_collator, get_scheduler
+from transformers.trainer_utils import TrainOutput
+
+from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.strategy import MegaTrainStrategy
+from megatrain_lightning.telemetry import MegaTrainMonitor
+
+_STRATEGY_OPTIONS: dict[str, Any] = {}
+_MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
+
+# TrainingArguments that cannot be honoured, with what to do instead; warned about when set.
+_UNSUPPORTED = {
+    "fp16": "megatrain computes in bf16 or fp32; use bf16=True",
+    "bf16_full_eval": "evaluation uses the training precision",
+    "fp16_full_eval": "evaluation uses the training precision",
+    "tf32": "set torch.backends.cuda.matmul.allow_tf32 yourself",
+    "deepspeed": "megatrain replaces DeepSpeed: it pages the model through one GPU itself",
+    "fsdp": "megatrain trains on one device",
+    "fsdp_config": "megatrain trains on one device",
+    "parallelism_config": "megatrain trains on one device",
+    "gradient_checkpointing_kwargs": "megatrain checkpoints each block itself (activation_checkpointing)",
+    "activation_checkpointing_kwargs": "megatrain checkpoints each block itself (activation_checkpointing)",
+    "torch_compile": "compiled models cannot be paged block by block",
+    "use_liger_kernel": "not supported",
+    "label_smoothing_factor": "the model's own loss is used",
+    "neftune_noise_alpha": "not supported",
+    "optim_args": "megatrain's CPU AdamW takes no extra arguments",
+    "optim_target_modules": "megatrain trains every parameter",
+    "auto_find_batch_size": "set per_device_train_batch_size (megatrain plan helps size it)",
+    "torch_empty_cache_steps": "megatrain's device memory is a fixed pool of slots",
+    "include_num_input_tokens_seen": "MegaTrainMonitor logs tokens_per_s instead",
+    "logging_first_step": "not supported",
+    "eval_on_start": "not supported",
+    "load_best_model_at_end": "load a checkpoint from output_dir yourself",
+    "push_to_hub": "not supported",
+    "resume_from_checkpoint": "pass it to Trainer.train(resume_from_checkpoint=...)",
+    "label_names": "batches must hold `labels` (or none: the inputs are the labels)",
+}
+
+
+class UnsupportedArgumentWarning(UserWarning):
+    """A ``TrainingArguments`` field or ``Trainer`` argument that megatrain ignores."""
+
+
+def init(
+    offload_dir: str | None = None,
+    max_vram_gb: float | None = None,
+    max_cpu_gb: float | None = None,
+    optimizer_compression: str | bool = "none",
+    **strategy_kwargs: Any,
+) -> None:
+    """Set the :class:`MegaTrainStrategy` options of every later :class:`Trainer` (replacing earlier ones).
+
+    The options are checked here, so a mistake surfaces at ``init`` rather than at ``train()``.
+    ``strategy_kwargs`` are further ``MegaTrainStrategy`` arguments (e.g. ``prefetch_depth``).
+    """
+    options = dict(
+        offload_dir=offload_dir,
+        max_vram_gb=max_vram_gb,
+        max_cpu_gb=max_cpu_gb,
+        optimizer_compression=optimizer_compression,
+        **strategy_kwargs,
+    )
+    MegaTrainStrategy(**options)
+    _STRATEGY_OPTIONS.clear()
+    _STRATEGY_OPTIONS.update(options)
+
+
+def _is_set(value: Any) -> bool:
+    return bool(value) and value not in ("no", "none")
+
+
+def _interval(value: float, total_steps: int) -> int:
+    """Hugging Face step intervals below 1 are fractions of the whole run."""
+    return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
+
+
+class _Collator:
+    """The user's collator (or ``default_data_collator``), then labels from inputs when missing."""
+
+    def __init__(self, collate: Callable[[list[Any]], dict[str, Any]] | None) -> None:
+        self.collate = collate or default_data_collator
+
+    def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
+        batch = self.collate(features)
+        if "labels" not in batch:
+            labels = batch["input_ids"].clone()
+            if "attention_mask" in batch:
+                labels[batch["attention_mask"] == 0] = -100
+            batch["labels"] = labels
+        return {k: batch[k] for k in _MODEL_INPUTS if k in batch}
+
+
+class TrainingArgumentsModule(CausalLMModule):
+    """``CausalLMModule`` with the ``transformers`` scheduler named by ``lr_scheduler_type``.
+
+    Args:
+        warmup: Warmup steps, or below 1 a fraction of the training steps (as ``warmup_steps``).
+        lr_scheduler_type: Any name ``transformers.get_scheduler`` takes (``linear``, ``cosine``,
+            ``constant``, ``constant_with_warmup``, ...).
+        lr_scheduler_kwargs: Its extra arguments.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        warmup: float = 0,
+        lr_scheduler_type: str = "linear",
+        lr_scheduler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, scheduler="constant")
+        self.loss_sum = 0.0
+        self.loss_count = 0
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.loss_sum += float(loss.detach())
+        self.loss_count += 1
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(self.param_groups(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = _interval(hp.warmup, total) if hp.warmup else 0
+        scheduler = get_scheduler(
+            hp.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total,
+            scheduler_specific_kwargs=hp.lr_scheduler_kwargs or {},
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Trainer:
+    """Train a Hugging Face causal LM from ``TrainingArguments`` with Lightning and the megatrain strategy.
+
+    Args:
+        model: The model to train; afterwards its weights live in megatrain's store (its
+            ``state_dict()`` and ``save_pretrained`` read them from there).
+        args: Training arguments; default ``TrainingArguments("trainer_output")``.
+        data_collator: Turns a list of dataset items into a batch; default ``default_data_collator``.
+        train_dataset: Items are dicts with ``input_ids`` (and optionally ``attention_mask``, ``labels``).
+        eval_dataset: Evaluated per ``eval_strategy`` and by :meth:`evaluate`.
+        **kwargs: Other Hugging Face ``Trainer`` arguments are not supported and warned about.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        args: TrainingArguments | None = None,
+        data_collator: Callable[[list[Any]], dict[str, Any]] | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        for name in kwargs:
+            warnings.warn(f"mt.Trainer ignores `{name}`", UnsupportedArgumentWarning, stacklevel=2)
+        _warn_unsupported(self.args)
+        self.model = model
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.collate = _Collator(data_collator)
+        a = self.args
+        self.module = TrainingArgumentsModule(
+            model,
+            lr=a.learning_rate,
+            weight_decay=a.weight_decay,
+            betas=(a.adam_beta1, a.adam_beta2),
+            eps=a.adam_epsilon,
+            warmup=a.warmup_steps or getattr(a, "warmup_ratio", 0),  # transformers < 5 has warmup_ratio
+            lr_scheduler_type=str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type)),
+            lr_scheduler_kwargs=a.lr_scheduler_kwargs,
+        )
+        self.trainer: L.Trainer | None = None  # the Lightning Trainer of the last train() or evaluate()
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Fit; ``resume_from_checkpoint=True`` resumes from ``<output_dir>/checkpoints/last.ckpt``."""
+        if self.train_dataset is None:
+            raise ValueError("mt.Trainer.train() needs a train_dataset")
+        a = self.args
+        L.seed_everything(a.seed, workers=True)
+        train_loader = self._loader(self.train_dataset, a.per_device_train_batch_size, train=True)
+        total = self._total_steps(train_loader)
+        evaluate = self.eval_dataset is not None and _strategy(a.eval_strategy) != "no"
+        kwargs: dict[str, Any] = {}
+        if evaluate and _strategy(a.eval_strategy) == "steps":
+            every = _interval(a.eval_steps or a.logging_steps, total)
+            kwargs.update(
+                val_check_interval=every * a.gradient_accumulation_steps, check_val_every_n_epoch=None
+            )
+        elif not evaluate:
+            kwargs.update(limit_val_batches=0)
+        self.trainer = self._lightning_trainer(
+            max_steps=total,
+            callbacks=self._callbacks(total),
+            accumulate_grad_batches=a.gradient_accumulation_steps,
+            gradient_clip_val=a.max_grad_norm or None,
+            log_every_n_steps=_interval(a.logging_steps, total),
+            **kwargs,
+        )
+        self.module.loss_sum, self.module.loss_count = 0.0, 0
+        self.trainer.fit(
+            self.module,
+            train_dataloaders=train_loader,
+            val_dataloaders=self._eval_loader() if evaluate else None,
+            ckpt_path="last" if resume_from_checkpoint is True else resume_from_checkpoint or None,
+        )
+        loss = self.module.loss_sum / max(self.module.loss_count, 1)
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+        return TrainOutput(self.trainer.global_step, loss, dict(metrics, train_loss=loss))
+
+    def evaluate(self, eval_dataset: Dataset | None = None) -> dict[str, float]:
+        """Loss and perplexity on ``eval_dataset`` (default: the one given at construction)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("mt.Trainer.evaluate() needs an eval_dataset")
+        self.trainer = self._lightning_trainer(enable_checkpointing=False)
+        (metrics,) = self.trainer.validate(self.module, dataloaders=self._eval_loader(dataset), verbose=False)
+        return {f"eval_{k.removeprefix('val_')}": float(v) for k, v in metrics.items()}
+
+    # -- building the Lightning pieces --
+
+    def _lightning_trainer(self, **kwargs: Any) -> L.Trainer:
+        a = self.args
+        logging = _strategy(a.logging_strategy) != "no"
+        return L.Trainer(
+            strategy=MegaTrainStrategy(**_STRATEGY_OPTIONS),
+            accelerator="cpu" if a.use_cpu else "auto",
+            devices=1,
+            precision="bf16-mixed" if a.bf16 else "32-true",
+            default_root_dir=a.output_dir,
+            logger=CSVLogger(a.output_dir, name="logs") if logging else False,
+            num_sanity_val_steps=0,
+            enable_progress_bar=not a.disable_tqdm,
+            deterministic=bool(a.full_determinism),
+            **kwargs,
+        )
+
+    def _callbacks(self, total_steps: int) -> list[Callback]:
+        a = self.args
+        callbacks: list[Callback] = [MegaTrainMonitor()]
+        if _strategy(a.logging_strategy) != "no":
+            callbacks.append(LearningRateMonitor(logging_interval="step"))
+        save = _strategy(a.save_strategy)
+        if save in ("steps", "epoch"):
+            every = {"every_n_train_steps": _interval(a.save_steps, total_steps)} if save == "steps" else {}
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=os.path.join(a.output_dir, "checkpoints"),
+                    filename="checkpoint-{step}",
+                    auto_insert_metric_name=False,
+                    monitor="step",
+                    mode="max",
+                    save_top_k=a.save_total_limit or -1,
+                    save_last=True,
+                    **every,
+                )
+            )
+        elif save != "no":
+            warnings.warn(
+                f"mt.Trainer ignores save_strategy={save!r}; use 'steps' or 'epoch'",
+                UnsupportedArgumentWarning,
+                stacklevel=3,
+            )
+        return callbacks
+
+    def _loader(self, dataset: Dataset, batch_size: int, train: bool) -> DataLoader:
+        a = self.args
+        shuffle = train and getattr(a, "train_sampling_strategy", "random") != "sequential"
+        seed = a.data_seed if a.data_seed is not None else a.seed
+        workers = a.dataloader_num_workers
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            generator=torch.Generator().manual_seed(seed) if shuffle else None,
+            collate_fn=self.collate,
+            num_workers=workers,
+            drop_last=a.dataloader_drop_last,
+            pin_memory=a.dataloader_pin_memory and torch.cuda.is_available(),
+            persistent_workers=a.dataloader_persistent_workers and workers > 0,
+        )
+
+    def _eval_loader(self, dataset: Dataset | None = None) -> DataLoader:
+        dataset = dataset if dataset is not None else self.eval_dataset
+        return self._loader(dataset, self.args.per_device_eval_batch_size, train=False)
+
+    def _total_steps(self, loader: DataLoader) -> int:
+        """Optimizer steps: ``max_steps`` if positive, else ``num_train_epochs`` (fractions allowed)."""
+        a = self.args
+        if a.max_steps > 0:
+            return a.max_steps
+        if not isinstance(loader.dataset, Sized):
+            raise ValueError("a train_dataset without a length needs TrainingArguments(max_steps=...)")
+        per_epoch = math.ceil(len(loader) / a.gradient_accumulation_steps)
+        return max(1, math.ceil(a.num_train_epochs * per_epoch))
+
+
+def _strategy(value: Any) -> str:
+    """The string of an ``IntervalStrategy``/``SaveStrategy`` member or of a plain string."""
+    return str(getattr(value, "value", value))
+
+
+def _warn_unsupported(args: TrainingArguments) -> None:
+    for name, instead in _UNSUPPORTED.items():
+        value = getattr(args, name, None)
+        if _is_set(value):
+            warnings.warn(
+                f"mt.Trainer ignores TrainingArguments.{name}={value!r}: {instead}.",
+                UnsupportedArgumentWarning,
+                stacklevel=3,
+            )
+    optim = _strategy(args.optim)
+    if not optim.startswith("adamw"):
+        warnings.warn(
+            f"mt.Trainer ignores TrainingArguments.optim={optim!r}: megatrain always runs AdamW on the CPU.",
+            UnsupportedArgumentWarning,
+            stacklevel=3,
+        )
+    reporters = [r for r in (args.report_to or []) if r not in ("none", "all")]
+    if reporters:
+        warnings.warn(
+            f"mt.Trainer ignores TrainingArguments.report_to={reporters}: metrics go to a CSV logger "
+            f"under {args.output_dir}/logs.",
+            UnsupportedArgumentWarning,
+            stacklevel=3,
+        )

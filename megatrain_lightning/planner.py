@@ -1,0 +1,430 @@
+"""Footprint planner: will a model train on a machine, how should megatrain be set up, how fast can a step be.
+
+Memory needs are computed, per way of training, from the bytes per parameter in DESIGN.md:
+
+=====================  =====================================  ===========================  ===========
+method                 GPU                                    host                         disk
+=====================  =====================================  ===========================  ===========
+plain AdamW            16 B/param + activations               0                            0
+ZeRO-Offload           compute dtype B/param + activations    16 B/param                   0
+megatrain, host tier   2 slots x largest block + activations  store + 4 B/param gradients  0
+megatrain, disk tier   2 slots x largest block + activations  the blocks in use (fp32)     host's need
+=====================  =====================================  ===========================  ===========
+
+where the megatrain store is 4 B/param of fp32 master weights plus the Adam state: 8 (fp32),
+2 + 4/256 + 4/128 (int8: m in blocks of 256, v in blocks of 128, one fp32 scale per block) or
+1 + 8/128 (int4: m and v in blocks of 128) B/param. The host tier is chosen when the store and
+the gradient buffer fit in RAM; otherwise both live on disk (as the strategy lays them out) and
+the RAM caches them, at least the blocks in use. Activations assume per-block checkpointing
+(block-boundary hidden states, one block's full activations for the recompute, and the logits)
+unless the workload turns it off; attention is assumed memory-efficient (no seq x seq scores).
+
+The step-time lower bound is the largest of compute (6 x params x tokens / FLOP/s), link
+transfer (weights in for forward and backward in the compute dtype, fp32 gradients out, per
+micro-batch) and, on the disk tier, reading and writing the uncached part of the store once.
+:func:`plan_for` is what the strategy calls to resolve ``"auto"`` options; :func:`format_plan`
+prints the table of ``megatrain plan``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.models import llama_config, resolve_config, tiny_config
+
+GB = 1e9
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MASTER_BYTES = 4.0  # fp32 master weights in the store
+GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
+PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
+STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
+COMPRESSIONS = tuple(STATE_BYTES)
+MIN_SLOTS = 2  # one block computing while the next one is fetched
+# Disk tier: fp32 blocks of one kind held in RAM beyond one per slot (the strategy's working set with
+# one optimizer thread: its weights, gradient, m and v, and three more in flight).
+WORKING_BLOCKS = 7
+RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
+PRESETS = ("tiny", "170m", "1b", "7b", "70b")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: its paging blocks and the sizes that drive activations."""
+
+    block_numels: tuple[int, ...]
+    hidden_size: int
+    mlp_width: int  # per token: the MLP's intermediate width (times the active experts for MoE)
+    num_layers: int
+    vocab_size: int
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.block_numels)
+
+    @property
+    def largest_block(self) -> int:
+        return max(self.block_numels)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_numels)
+
+    @classmethod
+    def from_module(cls, model: nn.Module, block_classes: Iterable[str | type] | None = None) -> ModelShape:
+        """Blocks as the engine pages them (padding included); sizes from the Hugging Face config inside."""
+        config = next(
+            (m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)),
+            None,
+        )
+        if config is None:
+            raise ValueError(f"{type(model).__name__} holds no Hugging Face config to plan activations from")
+        blocks = discover_blocks(model, block_classes)
+        return cls.from_blocks([b.numel for b in blocks], config)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ModelShape:
+        """Build the model on the meta device (no memory, well under a second for 70B) and measure it."""
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return cls.from_module(model)
+
+    @classmethod
+    def from_blocks(cls, block_numels: Sequence[int], config: PretrainedConfig) -> ModelShape:
+        """From the engine's blocks (``[b.numel for b in blocks]``) and the model's config."""
+        hidden = config.hidden_size
+        if hasattr(config, "moe_intermediate_size"):
+            width = config.moe_intermediate_size * config.num_experts_per_tok
+            width += getattr(config, "shared_expert_intermediate_size", 0) or 0
+        else:
+            width = (
+                getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+            )
+            width *= getattr(config, "num_experts_per_tok", 1)
+        return cls(tuple(block_numels), hidden, width, config.num_hidden_layers, config.vocab_size)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Memory in GB (1e9 bytes), bandwidths in GB/s, compute in TFLOP/s (dense, compute dtype)."""
+
+    vram_gb: float
+    ram_gb: float
+    disk_gb: float = 0.0
+    pcie_gbps: float = 25.0
+    disk_gbps: float = 6.0
+    tflops: float = 400.0
+
+    @classmethod
+    def detect(
+        cls, device: torch.device | str = "cuda", offload_dir: str | os.PathLike | None = None
+    ) -> Machine:
+        """Free memory now: the device's (on CPU, available RAM again), available RAM, free space under
+        ``offload_dir`` (0 without one). Bandwidths and FLOP/s keep their defaults."""
+        import psutil
+
+        device = torch.device(device)
+        ram = psutil.virtual_memory().available
+        vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else ram
+        disk = 0
+        if offload_dir is not None:
+            existing = Path(offload_dir)
+            while not existing.exists():
+                existing = existing.parent
+            disk = shutil.disk_usage(existing).free
+        return cls(vram_gb=vram / GB, ram_gb=ram / GB, disk_gb=disk / GB)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Tokens per optimizer step and per micro-batch (``None``: one micro-batch per step)."""
+
+    tokens_per_step: int = 4096
+    micro_batch_tokens: int | None = None
+    compute_dtype: str = "bf16"
+    activation_checkpointing: bool = True
+
+    @property
+    def micro_tokens(self) -> int:
+        return self.micro_batch_tokens or self.tokens_per_step
+
+    @property
+    def micro_batches(self) -> int:
+        return math.ceil(self.tokens_per_step / self.micro_tokens)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What megatrain would choose on the machine: the strategy's ``"auto"`` options."""
+
+    tier: str  # "host": the store in RAM; "disk": the store under offload_dir, cached in RAM
+    num_slots: int
+    prefetch_depth: int
+    cache_gb: float  # RAM holding the store and gradients (all of them on the host tier)
+    max_vram_gb: float  # the slots' budget
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    gpu_gb: float
+    host_gb: float
+    disk_gb: float
+    fits: bool
+    step_s: float
+    bound_by: str  # "compute", "link" or "disk"
+    settings: Settings | None = None  # megatrain rows only
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelShape
+    machine: Machine
+    workload: Workload
+    activations_gb: float
+    slot_gb: float
+    rows: tuple[Row, ...]
+    compression: str
+
+    def row(self, method: str) -> Row:
+        return next(r for r in self.rows if r.method == method)
+
+    @property
+    def settings(self) -> Settings:
+        """The settings for ``compression``; check ``row(f"megatrain {compression}").fits`` first."""
+        settings = self.row(f"megatrain {self.compression}").settings
+        assert settings is not None
+        return settings
+
+
+def activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool = True) -> float:
+    """Peak activation memory of one micro-batch of ``tokens`` tokens.
+
+    A decoder layer keeps about ``10 h + 4 w`` values per token (norm inputs and outputs, q/k/v,
+    attention output, residuals; gate, up, activation and product of the MLP). With checkpointing
+    only each block's input (``h`` per token) stays, plus one layer's full set while it recomputes.
+    The logits add ``vocab`` per token in the compute dtype plus an fp32 copy and its gradient.
+    """
+    layer = (10 * shape.hidden_size + 4 * shape.mlp_width) * tokens * dtype_bytes
+    logits = tokens * shape.vocab_size * (dtype_bytes + 8)
+    if not checkpointing:
+        return shape.num_layers * layer + logits
+    boundaries = shape.num_layers * shape.hidden_size * tokens * dtype_bytes
+    return boundaries + layer + logits
+
+
+def plan_for(
+    model: ModelShape | PretrainedConfig | nn.Module | str | os.PathLike,
+    machine: Machine,
+    compression: str = "none",
+    workload: Workload | None = None,
+) -> Plan:
+    """Memory needs of each way of training ``model`` on ``machine``, and megatrain's settings.
+
+    Args:
+        model: A :class:`ModelShape`, a Hugging Face config, a model (its blocks as the engine
+            finds them), or a preset / ``config.json`` / model directory (see :func:`load_shape`).
+        machine: The machine's budgets and speeds.
+        compression: The optimizer-state storage whose settings :attr:`Plan.settings` returns.
+        workload: Tokens per step and micro-batch, compute dtype, checkpointing.
+    """
+    if compression not in STATE_BYTES:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    workload = workload or Workload()
+    if workload.compute_dtype not in DTYPE_BYTES:
+        raise ValueError(f"compute_dtype must be one of {tuple(DTYPE_BYTES)}, got {workload.compute_dtype!r}")
+    shape = load_shape(model)
+    cd = DTYPE_BYTES[workload.compute_dtype]
+    n = shape.num_params
+    act = activation_bytes(shape, workload.micro_tokens, cd, workload.activation_checkpointing)
+    vram, ram, disk = (
+        machine.vram_gb * GB * (1 - RESERVE),
+        machine.ram_gb * GB * (1 - RESERVE),
+        machine.disk_gb * GB,
+    )
+    compute_s = 6 * n * workload.tokens_per_step / (machine.tflops * 1e12)
+
+    rows = []
+    gpu = PLAIN_BYTES * n + act
+    rows.append(Row("plain AdamW", gpu / GB, 0.0, 0.0, gpu <= vram, compute_s, "compute"))
+    gpu, host = cd * n + act, PLAIN_BYTES * n
+    # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch.
+    link_s = (1 + workload.micro_batches) * cd * n / (machine.pcie_gbps * GB)
+    rows.append(_row("ZeRO-Offload", gpu, host, 0.0, gpu <= vram and host <= ram, compute_s, link_s, 0.0))
+    slot = shape.largest_block * cd
+    for name in COMPRESSIONS:
+        rows.append(_megatrain_row(name, shape, workload, machine, act, slot, compute_s, vram, ram, disk))
+    return Plan(shape, machine, workload, act / GB, slot / GB, tuple(rows), compression)
+
+
+def _megatrain_row(
+    compression: str,
+    shape: ModelShape,
+    workload: Workload,
+    machine: Machine,
+    act: float,
+    slot: float,
+    compute_s: float,
+    vram: float,
+    ram: float,
+    disk: float,
+) -> Row:
+    n = shape.num_params
+    store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
+    block = MASTER_BYTES * shape.largest_block  # one kind (weights, gradient, m or v) of the largest block
+    num_slots = min(max(int((vram - act) // slot), 0), shape.num_blocks)
+    gpu = MIN_SLOTS * slot + act
+    if store <= ram:
+        tier, cache, host, disk_need = "host", store, store, 0.0
+    else:
+        tier, disk_need = "disk", store
+        num_slots = min(num_slots, max(int(ram // block) - WORKING_BLOCKS, 0))
+        cache = min(ram, store)
+        host = (MIN_SLOTS + WORKING_BLOCKS) * block
+    fits = num_slots >= 1 and gpu <= vram and host <= ram and disk_need <= disk
+    micro = workload.micro_batches
+    cd = DTYPE_BYTES[workload.compute_dtype]
+    # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
+    fetches = 1 if num_slots >= shape.num_blocks else 2 * micro
+    link_s = (fetches * cd + micro * GRAD_BYTES) * n / (machine.pcie_gbps * GB)
+    disk_s = 2 * (store - cache) / (machine.disk_gbps * GB)
+    settings = Settings(tier, num_slots, max(num_slots - 1, 1), cache / GB, num_slots * slot / GB)
+    return _row(f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, settings)
+
+
+def _row(
+    method: str,
+    gpu: float,
+    host: float,
+    disk: float,
+    fits: bool,
+    compute_s: float,
+    link_s: float,
+    disk_s: float,
+    settings: Settings | None = None,
+) -> Row:
+    times = {"compute": compute_s, "link": link_s, "disk": disk_s}
+    bound_by = max(times, key=times.__getitem__)
+    return Row(method, gpu / GB, host / GB, disk / GB, fits, times[bound_by], bound_by, settings)
+
+
+def load_shape(model: ModelShape | PretrainedConfig | nn.Module | str | os.PathLike) -> ModelShape:
+    """A :class:`ModelShape` from a shape, a config, a model, or a string naming a preset
+    (``tiny``, ``170m``, ``1b``, ``7b``, ``70b``), a ``config.json`` file or a model directory."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, nn.Module):
+        return ModelShape.from_module(model)
+    if isinstance(model, PretrainedConfig):
+        return ModelShape.from_config(model)
+    return ModelShape.from_config(_load_config(os.fspath(model)))
+
+
+def _load_config(spec: str) -> PretrainedConfig:
+    if spec.lower() == "tiny":
+        return tiny_config("llama")
+    if spec.lower() in PRESETS:
+        return llama_config(spec)
+    path = Path(spec)
+    if path.is_file():
+        return resolve_config(json.loads(path.read_text()))[0]
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    raise ValueError(
+        f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), a config.json nor a directory"
+    )
+
+
+def recommend(plan: Plan) -> Row | None:
+    """The megatrain row to use: the least compression whose store fits in RAM, else the fitting row
+    with the shortest step bound (disk traffic shrinks with the state); ``None`` when none fits."""
+    fitting = [r for r in (plan.row(f"megatrain {c}") for c in COMPRESSIONS) if r.fits]
+    on_host = [r for r in fitting if r.settings is not None and r.settings.tier == "host"]
+    if on_host:
+        return on_host[0]
+    return min(fitting, key=lambda r: r.step_s, default=None)
+
+
+def _gb(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a plain-text table, with one line each on the model, the machine and the workload."""
+    m, mach, w = plan.model, plan.machine, plan.workload
+    lines = [
+        f"model: {_count(m.num_params)} params in {m.num_blocks} blocks, largest {_count(m.largest_block)} "
+        f"({_gb(plan.slot_gb)} GB per slot in {w.compute_dtype}); activations {_gb(plan.activations_gb)} GB "
+        f"per micro-batch of {w.micro_tokens} tokens"
+        + (" (per-block checkpointing)" if w.activation_checkpointing else ""),
+        f"machine: {mach.vram_gb:g} GB GPU, {mach.ram_gb:g} GB RAM, {mach.disk_gb:g} GB disk; "
+        f"link {mach.pcie_gbps:g} GB/s, disk {mach.disk_gbps:g} GB/s, {mach.tflops:g} TFLOP/s; "
+        f"{w.tokens_per_step} tokens per step in {w.micro_batches} micro-batch(es); "
+        f"{RESERVE:.0%} of GPU and RAM kept in reserve",
+        "",
+    ]
+    header = (
+        "method",
+        "GPU GB",
+        "host GB",
+        "disk GB",
+        "fits",
+        "tier",
+        "slots",
+        "prefetch",
+        "cache GB",
+        "step >= s",
+        "bound",
+    )
+    table = [header]
+    for r in plan.rows:
+        s = r.settings
+        table.append(
+            (
+                r.method,
+                _gb(r.gpu_gb),
+                _gb(r.host_gb),
+                _gb(r.disk_gb),
+                "yes" if r.fits else "no",
+                s.tier if s else "-",
+                str(s.num_slots) if s else "-",
+                str(s.prefetch_depth) if s else "-",
+                _gb(s.cache_gb) if s else "-",
+                f"{r.step_s:.3g}",
+                r.bound_by,
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        cells = [
+            c.ljust(wd) if j == 0 else c.rjust(wd) for j, (c, wd) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    best = recommend(plan)
+    lines.append("")
+    if best is None or best.settings is None:
+        lines.append("megatrain: does not fit this machine; add RAM, a larger disk or GPU memory.")
+    else:
+        s = best.settings
+        where = "in host RAM" if s.tier == "host" else f"on disk, {_gb(s.cache_gb)} GB cached in RAM"
+        lines.append(
+            f"recommended: {best.method} with the store {where}, {s.num_slots} slots "
+            f"({_gb(s.max_vram_gb)} GB), prefetch depth {s.prefetch_depth}"
+        )
+    return "\n".join(lines)

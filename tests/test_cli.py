@@ -1,0 +1,123 @@
+"""The `megatrain` LightningCLI: fit and validate from YAML and from flags; strategy from class_path/init_args."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.cli import lightning_cli, main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_YAML = REPO / "configs" / "cli" / "tiny.yaml"
+QUIET = [
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--data.seq_len=32",
+    "--data.batch_size=2",
+]
+
+
+def test_fit_from_yaml_console_script(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [
+        "megatrain",
+        "fit",
+        "--config",
+        str(TINY_YAML),
+        "--trainer.strategy=megatrain",
+        "--trainer.max_steps=3",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.val_check_interval=3",
+        "--trainer.limit_val_batches=1",
+        *QUIET,
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "lightning_logs" / "tiny" / "version_0"
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sum(1 for r in rows if r.get("train_loss")) == 3
+    assert any(r.get("val_ppl") for r in rows) and any(r.get("tokens_per_s") for r in rows)
+    # The flag replaced the YAML's class_path strategy by the registered name.
+    assert "class_path: megatrain_lightning.MegaTrainStrategy" not in (run_dir / "config.yaml").read_text()
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    """LightningCLI warns when sys.argv holds arguments besides ``args`` (here: pytest's)."""
+    monkeypatch.setattr("sys.argv", ["megatrain"])
+
+
+def test_validate_from_yaml_with_class_path_strategy(tmp_path):
+    cli = lightning_cli(
+        [
+            "validate",
+            "--config",
+            str(TINY_YAML),
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--trainer.limit_val_batches=2",
+            *QUIET,
+        ]
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, MegaTrainStrategy)
+    assert strategy.max_vram_gb == 0.01 and strategy.optimizer_compression == "none"
+    assert 4.5 < float(cli.trainer.callback_metrics["val_loss"]) < 6.5  # untrained: about ln(256)
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "test", "predict"])
+def test_subcommands_from_flags(tmp_path, subcommand):
+    cli = lightning_cli(
+        [
+            subcommand,
+            "--trainer.strategy=megatrain_lightning.MegaTrainStrategy",
+            "--trainer.strategy.max_vram_gb=0.001",
+            "--trainer.strategy.prefetch_depth=1",
+            "--trainer.accelerator=cpu",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.limit_test_batches=1",
+            "--trainer.limit_predict_batches=1",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.model=gpt2",
+            *QUIET,
+        ]
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, MegaTrainStrategy)
+    assert (strategy.max_vram_gb, strategy.prefetch_depth) == (0.001, 1)
+    assert cli.model.config.model_type == "gpt2"
+    if subcommand == "fit":
+        assert cli.trainer.global_step == 2
+    elif subcommand != "predict":
+        assert {"validate": "val_loss", "test": "test_loss"}[subcommand] in cli.trainer.callback_metrics
+
+
+def test_plan_subcommand_prints_the_table(capsys):
+    main(
+        [
+            "plan",
+            "--model",
+            "7b",
+            "--vram",
+            "80",
+            "--ram",
+            "512",
+            "--disk",
+            "4000",
+            "--tokens-per-step",
+            "8192",
+        ]
+    )
+    out = capsys.readouterr().out
+    for method in ("plain AdamW", "ZeRO-Offload", "megatrain none", "megatrain int8", "megatrain int4"):
+        assert method in out
+    assert "recommended: megatrain none with the store in host RAM" in out

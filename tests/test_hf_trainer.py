@@ -1,0 +1,142 @@
+"""`mt.init` + `mt.Trainer(model, args=TrainingArguments(...))`: the Hugging Face Trainer habit."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from transformers import TrainingArguments
+
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning import hf_trainer as mt
+from megatrain_lightning.data import TextDataModule
+from tests.conftest import tiny_model
+
+
+class _InputsOnly(torch.utils.data.Dataset):
+    """Dicts with input_ids only: the trainer derives the labels."""
+
+    def __init__(self, windows: torch.utils.data.Dataset) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.windows[i]["input_ids"]}
+
+
+@pytest.fixture(autouse=True)
+def _reset_init():
+    yield
+    mt.init()
+
+
+@pytest.fixture(scope="module")
+def windows():
+    dm = TextDataModule(seq_len=32, batch_size=4)
+    dm.setup()
+    return dm
+
+
+def test_trainer_maps_training_arguments_and_loss_falls(tmp_path, windows):
+    mt.init(max_vram_gb=0.01, optimizer_compression="none", prefetch_depth=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.1,
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        max_grad_norm=1.0,
+        max_steps=16,
+        logging_steps=1,
+        save_steps=8,
+        eval_strategy="steps",
+        eval_steps=8,
+        seed=3,
+        use_cpu=True,
+        disable_tqdm=True,
+        report_to=[],
+    )
+    trainer = mt.Trainer(
+        model=tiny_model("llama"),
+        args=args,
+        train_dataset=_InputsOnly(windows.train_set),
+        eval_dataset=windows.val_set,
+    )
+    out = trainer.train()
+
+    lt = trainer.trainer
+    strategy = lt.strategy
+    assert isinstance(strategy, MegaTrainStrategy) and (strategy.max_vram_gb, strategy.prefetch_depth) == (
+        0.01,
+        1,
+    )
+    assert (lt.accumulate_grad_batches, lt.gradient_clip_val, lt.max_steps, lt.log_every_n_steps) == (
+        2,
+        1.0,
+        16,
+        1,
+    )
+    assert lt.val_check_batch == 16 and lt.precision == "32-true"
+    assert out.global_step == 16 and 4.0 < out.training_loss < 5.6
+    optimizer = lt.optimizers[0]
+    assert (
+        optimizer.param_groups[0]["betas"] == (0.9, 0.98)
+        and optimizer.param_groups[0]["weight_decay"] == 0.01
+    )
+    assert optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert optimizer.param_groups[0]["lr"] < 1e-4  # cosine to 0 at step 16
+
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    lrs = {int(r["step"]): float(r["lr-CPUAdamW/pg1"]) for r in rows if r.get("lr-CPUAdamW/pg1")}
+    assert len(losses) == 16 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert [lrs[step] for step in range(3)] == pytest.approx(
+        [0.0, 1.5e-3, 3e-3]
+    )  # linear warmup over 2 steps (10% of 16), then cosine
+    assert sum(1 for r in rows if r.get("val_loss")) == 2
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+    assert saved == ["checkpoint-16.ckpt", "checkpoint-8.ckpt", "last.ckpt"]
+
+    metrics = trainer.evaluate()
+    assert set(metrics) == {"eval_loss", "eval_ppl"} and metrics["eval_loss"] < 5.0
+
+
+def test_unsupported_arguments_warn_once_each(tmp_path):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        fp16=True,
+        torch_compile=True,
+        label_smoothing_factor=0.1,
+        optim="sgd",
+        report_to=["tensorboard"],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mt.Trainer(model=tiny_model("llama"), args=args, compute_metrics=len)
+    messages = [str(w.message) for w in caught if issubclass(w.category, mt.UnsupportedArgumentWarning)]
+    for name in ("fp16", "torch_compile", "label_smoothing_factor", "optim", "report_to"):
+        assert sum(f"TrainingArguments.{name}=" in m for m in messages) == 1, (name, messages)
+    assert sum("compute_metrics" in m for m in messages) == 1
+    assert len(messages) == 6, messages
+
+
+def test_init_checks_options_at_once():
+    with pytest.raises(MisconfigurationException, match="optimizer_compression"):
+        mt.init(optimizer_compression="int3")
+    with pytest.raises(MisconfigurationException, match="max_vram_gb"):
+        mt.init(max_vram_gb=-1)
+    with pytest.raises(ValueError, match="train_dataset"):
+        mt.Trainer(
+            model=tiny_model("llama"), args=TrainingArguments(output_dir="unused", use_cpu=True)
+        ).train()

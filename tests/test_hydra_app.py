@@ -1,0 +1,136 @@
+"""The Hydra app and its configs, found through the package's Hydra search-path plugin."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+USER_APP = textwrap.dedent(
+    """
+    import hydra
+    from omegaconf import DictConfig
+
+    from megatrain_lightning.train import run
+
+
+    @hydra.main(version_base="1.3", config_path=None, config_name="train")
+    def main(cfg: DictConfig) -> None:
+        run(cfg)
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+FAST = [
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "+trainer.enable_progress_bar=false",
+    "+trainer.enable_model_summary=false",
+]
+
+
+def _env_without_repo() -> dict[str, str]:
+    """The installed package only: no PYTHONPATH pointing into the checkout."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@pytest.fixture
+def plugin_configs():
+    """Compose with no config dir of our own: everything comes from the plugin's pkg:// path."""
+    GlobalHydra.instance().clear()
+    with initialize(version_base="1.3", config_path=None):
+        yield
+    GlobalHydra.instance().clear()
+
+
+def test_plugin_is_discovered_and_registers_the_strategy():
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    names = [p.__name__ for p in Plugins.instance().discover(SearchPathPlugin)]
+    assert "MegaTrainSearchPathPlugin" in names
+    assert "megatrain" in StrategyRegistry
+
+
+def test_compose_groups_through_the_plugin(plugin_configs):
+    cfg = compose("train")
+    assert cfg.model.model == "llama" and cfg.strategy._target_ == "megatrain_lightning.MegaTrainStrategy"
+    assert set(cfg.callbacks) == {"checkpoint", "lr_monitor", "megatrain_monitor"}
+    assert set(cfg.logger) == {"csv"}
+
+    cfg = compose(
+        "train",
+        [
+            "strategy=megatrain_nvme",
+            "strategy.optimizer_compression=none",
+            "strategy.max_vram_gb=2",
+            "trainer.max_steps=50",
+            "logger=[csv,tensorboard]",
+            "callbacks=[checkpoint]",
+            "data=file",
+            "data.path=/corpus.jsonl",
+            "model=hf",
+            "model.model=/models/llama",
+            "trainer=gpu",
+        ],
+    )
+    s = cfg.strategy
+    assert (s.optimizer_compression, s.max_vram_gb, s.activation_checkpointing) == ("none", 2, True)
+    offload_dir = OmegaConf.to_container(s)["offload_dir"]  # resolved only inside a Hydra run
+    assert offload_dir == "${hydra:runtime.output_dir}/offload"
+    assert cfg.trainer.max_steps == 50 and cfg.trainer.precision == "bf16-mixed"
+    assert set(cfg.logger) == {"csv", "tensorboard"} and set(cfg.callbacks) == {"checkpoint"}
+    assert cfg.data.path == "/corpus.jsonl" and cfg.data.seq_len == 128
+    assert cfg.model.model == "/models/llama" and cfg.model.lr == 2e-5
+
+    cfg = compose("train", ["strategy=plain", "callbacks=none", "logger=none"])
+    assert cfg.strategy == "auto" and not cfg.callbacks and not cfg.logger
+    for name in ("llama_1b", "llama_7b", "llama_70b", "tiny_gpt2"):
+        assert compose("train", [f"model={name}"]).model._target_.endswith("CausalLMModule")
+
+
+def test_users_app_multirun_finds_configs_via_plugin(tmp_path):
+    """A user's own app with no config dir: configs, strategy and callbacks come from the installed package."""
+    (tmp_path / "app.py").write_text(USER_APP)
+    cmd = [
+        sys.executable,
+        "app.py",
+        "--multirun",
+        "model.lr=1e-3,3e-3",
+        "strategy.optimizer_compression=none",
+        "strategy.max_vram_gb=2",
+        "trainer.max_steps=3",
+        "callbacks.megatrain_monitor.timeline_step=1",
+        "hydra.sweep.dir=sweep",
+        *FAST,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env_without_repo(), capture_output=True, text=True, timeout=150
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("final train_loss:") == 2
+    for job, lr in (("0", "0.001"), ("1", "0.003")):
+        job_dir = tmp_path / "sweep" / job
+        assert f"model.lr={lr}" in (job_dir / ".hydra" / "overrides.yaml").read_text()
+        run_dir = job_dir / "lightning_logs" / "version_0"
+        with open(run_dir / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert sum(1 for r in rows if r.get("tokens_per_s")) == 3  # once per optimizer step
+        assert any(r.get("val_ppl") for r in rows)
+        assert (run_dir / "timeline_step1.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+        assert (run_dir / "checkpoints" / "last.ckpt").exists()  # a file, or a folder of shards

@@ -1,0 +1,138 @@
+"""The footprint planner, checked against footprints computed by hand for Llama-2-7B."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.models import llama_config, tiny_config
+from megatrain_lightning.planner import (
+    RESERVE,
+    Machine,
+    ModelShape,
+    Workload,
+    activation_bytes,
+    format_plan,
+    load_shape,
+    plan_for,
+    recommend,
+)
+
+GB = 1e9
+# Llama-2-7B by hand: h=4096, i=11008, 32 layers, vocabulary 32000, untied head.
+H, FF, L, V = 4096, 11008, 32, 32000
+LAYER = 4 * H * H + 3 * H * FF + 2 * H  # q, k, v, o; gate, up, down; two RMSNorms
+N_7B = L * LAYER + 2 * V * H + H  # layers, embedding and head, final norm
+TOKENS = 4096
+# bf16 activations with per-block checkpointing: block inputs, one layer for the recompute, logits
+# (bf16, an fp32 copy and its gradient).
+ACT_7B = L * H * TOKENS * 2 + (10 * H + 4 * FF) * TOKENS * 2 + TOKENS * V * (2 + 8)
+
+
+def test_7b_shape_matches_closed_form():
+    shape = load_shape("7b")
+    assert shape.num_params == N_7B == 6_738_415_616
+    assert shape.largest_block == LAYER and shape.num_blocks == L + 3
+    assert (shape.hidden_size, shape.mlp_width, shape.num_layers, shape.vocab_size) == (H, FF, L, V)
+    assert activation_bytes(shape, TOKENS, 2) == ACT_7B
+
+
+def test_7b_footprints_by_hand():
+    plan = plan_for(llama_config("7b"), Machine(vram_gb=80, ram_gb=512, disk_gb=4000))
+    assert plan.activations_gb == pytest.approx(ACT_7B / GB)
+    plain, zero = plan.row("plain AdamW"), plan.row("ZeRO-Offload")
+    assert plain.gpu_gb == pytest.approx((16 * N_7B + ACT_7B) / GB) and not plain.fits  # 110.9 GB
+    assert zero.gpu_gb == pytest.approx((2 * N_7B + ACT_7B) / GB) and zero.host_gb == pytest.approx(
+        16 * N_7B / GB
+    )
+    state = {"none": 8, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
+    for name, state_bytes in state.items():
+        row = plan.row(f"megatrain {name}")
+        # store (4 B master + state) and the 4 B/param gradient buffer, all in RAM
+        assert row.host_gb == pytest.approx((4 + state_bytes + 4) * N_7B / GB), name
+        assert row.gpu_gb == pytest.approx((2 * LAYER * 2 + ACT_7B) / GB) and row.disk_gb == 0
+        assert row.fits and row.settings.tier == "host"
+        assert (row.settings.num_slots, row.settings.prefetch_depth) == (L + 3, L + 2)  # every block fits
+    assert plan.row("megatrain none").host_gb == pytest.approx(107.81, abs=0.01)
+    assert plan.row("megatrain int8").host_gb == pytest.approx(67.70, abs=0.01)
+    assert plan.row("megatrain int4").host_gb == pytest.approx(61.07, abs=0.01)
+    # Step bound: compute 6 N T / FLOP/s against the link; all blocks resident, so weights come in once.
+    none = plan.row("megatrain none")
+    assert plan.row("plain AdamW").step_s == pytest.approx(6 * N_7B * TOKENS / 400e12)
+    assert none.step_s == pytest.approx((2 + 4) * N_7B / 25e9) and none.bound_by == "link"
+
+
+def test_7b_on_a_small_gpu_pages_and_a_small_host_goes_to_disk():
+    workload = Workload(tokens_per_step=8 * 2048, micro_batch_tokens=2048)
+    plan = plan_for("7b", Machine(vram_gb=12, ram_gb=64, disk_gb=1000, disk_gbps=5), "int8", workload)
+    s = plan.settings
+    act = activation_bytes(plan.model, 2048, 2)
+    assert s.num_slots == int((12 * GB * (1 - RESERVE) - act) // (LAYER * 2)) < L + 3
+    assert s.tier == "disk"  # 67.7 GB of store and gradients > 57.6 GB usable RAM
+    row = plan.row("megatrain int8")
+    assert row.disk_gb == pytest.approx((4 + 2 + 4 / 256 + 4 / 128 + 4) * N_7B / GB)
+    assert s.cache_gb == pytest.approx(64 * (1 - RESERVE))
+    link = (2 * 8 * 2 + 8 * 4) * N_7B / 25e9  # fwd + bwd weights and gradients for 8 micro-batches
+    disk = 2 * (row.disk_gb - s.cache_gb) * GB / 5e9
+    assert row.step_s == pytest.approx(max(link, disk))
+
+
+@pytest.mark.parametrize(
+    ("model", "machine"),
+    [
+        ("7b", Machine(80, 512, 4000)),
+        ("7b", Machine(24, 64, 1000)),
+        ("70b", Machine(80, 512, 4000)),
+        ("70b", Machine(141, 2000, 0)),
+        ("1b", Machine(16, 32, 100)),
+    ],
+)
+def test_auto_settings_fit_the_machine(model, machine):
+    plan = plan_for(model, machine)
+    best = recommend(plan)
+    assert best is not None and best.fits
+    s = best.settings
+    assert s.num_slots >= 1 and s.prefetch_depth <= max(s.num_slots - 1, 1)
+    assert s.max_vram_gb + plan.activations_gb <= machine.vram_gb
+    assert s.max_vram_gb == pytest.approx(s.num_slots * plan.slot_gb)
+    assert best.host_gb <= machine.ram_gb and s.cache_gb <= machine.ram_gb
+    assert best.disk_gb <= machine.disk_gb
+    if s.tier == "disk":  # the RAM also holds the blocks in use next to the slots' fetches
+        assert (s.num_slots + 7) * 4 * plan.model.largest_block <= machine.ram_gb * GB
+
+
+def test_70b_does_not_fit_a_small_machine():
+    plan = plan_for("70b", Machine(24, 64, 100))
+    assert not any(r.fits for r in plan.rows) and recommend(plan) is None
+    assert "does not fit" in format_plan(plan)
+
+
+def test_shapes_from_files_modules_and_moe(tmp_path):
+    config = tiny_config("llama")
+    config.save_pretrained(tmp_path)
+    from_dir, from_file = load_shape(tmp_path), load_shape(tmp_path / "config.json")
+    model = AutoModelForCausalLM.from_config(config)
+    expected = tuple(b.numel for b in discover_blocks(model))
+    assert (
+        from_dir.block_numels
+        == from_file.block_numels
+        == ModelShape.from_module(model).block_numels
+        == expected
+    )
+    assert load_shape("tiny") == from_dir
+    moe = load_shape(tiny_config("qwen2_moe"))
+    assert moe.mlp_width == 32 * 2 + 64  # two active experts and the shared expert
+    with pytest.raises(ValueError, match="preset"):
+        load_shape("3b")
+    with pytest.raises(ValueError, match="compression"):
+        plan_for("tiny", Machine(1, 1), compression="int2")
+
+
+def test_detect_reads_this_machine(tmp_path):
+    machine = Machine.detect("cpu", offload_dir=tmp_path / "not" / "yet")
+    assert machine.vram_gb > 0 and machine.ram_gb > 0 and machine.disk_gb > 0
+    with torch.device("meta"):
+        tiny = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    assert plan_for(tiny, machine).row("megatrain none").fits
