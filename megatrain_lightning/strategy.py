@@ -20,11 +20,13 @@ from typing_extensions import override
 
 from megatrain_lightning import checkpoint as checkpointing
 from megatrain_lightning.blocks import Block
+from megatrain_lightning.checkpoint import hf_model
 from megatrain_lightning.disk import region_bytes
 from megatrain_lightning.engine import Engine, EngineConfig
 from megatrain_lightning.io import IOConfig
 from megatrain_lightning.meta import init_on_meta
 from megatrain_lightning.optim import CPUAdamW
+from megatrain_lightning.planner import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.preflight import (
     available_ram_bytes,
@@ -200,11 +202,22 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.setup_precision_plugin()
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
-        """Size the slots (for the disk tier: check the folder, the disk and the cache) from the blocks."""
+        """Size the slots (for the disk tier: check the folder, the disk and the cache) from the blocks.
+        Options left to ``None``/``"auto"`` take the planner's settings for this machine."""
         dtype = self.precision_plugin.compute_dtype
+        auto = self._plan(blocks, dtype)
         slot_bytes = max(b.numel for b in blocks) * dtype.itemsize
-        num_slots = self._num_slots(slot_bytes, sum(b.numel for b in blocks) * dtype.itemsize, len(blocks))
-        offload_dir, cache_bytes = self._disk_tier(blocks, num_slots)
+        if self.max_vram_gb is not None:
+            num_slots = int(self.max_vram_gb * _GB // slot_bytes)
+            if num_slots < 1:
+                raise MisconfigurationException(
+                    f"`max_vram_gb={self.max_vram_gb}` is smaller than the largest block "
+                    f"({slot_bytes / _GB:.3g} GB in the compute dtype); raise it to at least that."
+                )
+        else:
+            num_slots = auto.num_slots if auto is not None else len(blocks)
+        num_slots = max(1, min(num_slots, len(blocks)))
+        offload_dir, cache_bytes = self._disk_tier(blocks, num_slots, auto)
         return EngineConfig(
             device=self.root_device,
             compute_dtype=dtype,
@@ -218,7 +231,23 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             io=self.io,
         )
 
-    def _disk_tier(self, blocks: list[Block], num_slots: int) -> tuple[str | None, int]:
+    def _plan(self, blocks: list[Block], dtype: torch.dtype) -> Settings | None:
+        """The planner's settings for this model on this machine (``megatrain plan`` prints the same)."""
+        found = hf_model(self.lightning_module)
+        if found is None:
+            return None
+        shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config)
+        workload = Workload(
+            compute_dtype="fp32" if dtype == torch.float32 else "bf16",
+            activation_checkpointing=self.activation_checkpointing,
+        )
+        offload_dir = None if self.offload_dir in (None, "auto") else self.offload_dir
+        machine = Machine.detect(self.root_device, offload_dir)
+        return plan_for(shape, machine, self.optimizer_compression, workload).settings
+
+    def _disk_tier(
+        self, blocks: list[Block], num_slots: int, auto: Settings | None
+    ) -> tuple[str | None, int]:
         if self.offload_dir is None:
             return None, 0
         path = self.offload_dir
@@ -232,10 +261,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         largest = 4 * max(b.numel for b in blocks)
         # In use at once: fetches into every slot, each optimizer thread's param/grad/m/v, offloads.
         working_set = (num_slots + 4 * self.optimizer_threads + 3) * largest
-        if self.max_cpu_gb is None:
-            cache = max(working_set, min(4 * one_kind, available_ram_bytes() // 2))
-        else:
+        if self.max_cpu_gb is not None:
             cache = int(self.max_cpu_gb * _GB)
+        elif auto is not None:
+            cache = max(working_set, int(auto.cache_gb * _GB))
+        else:
+            cache = max(working_set, min(4 * one_kind, available_ram_bytes() // 2))
         if cache < working_set:
             raise MisconfigurationException(
                 f"`max_cpu_gb={self.max_cpu_gb}` cannot hold the blocks in use at once ({num_slots} slots, "
@@ -243,23 +274,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 "least that, or lower `max_vram_gb`/`optimizer_threads`."
             )
         return path, cache
-
-    def _num_slots(self, slot_bytes: int, model_bytes: int, num_blocks: int) -> int:
-        if self.max_vram_gb is None:
-            budget = float(model_bytes)
-            if self.root_device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.root_device)
-                budget = min(budget, 0.8 * free)
-        else:
-            budget = self.max_vram_gb * _GB
-        slots = int(budget // slot_bytes)
-        if slots < 1:
-            raise MisconfigurationException(
-                f"`max_vram_gb={self.max_vram_gb}` is smaller than the largest block "
-                f"({slot_bytes / _GB:.3g} GB in the compute dtype). "
-                f"Raise it to at least {math.ceil(slot_bytes / _GB * 100) / 100} GB."
-            )
-        return min(slots, num_blocks)
 
     @override
     def model_to_device(self) -> None:

@@ -208,3 +208,14 @@ def test_offload_dir_that_is_a_file(tmp_path):
 def test_tiny_configs_cover_the_block_classes():
     for arch in ("llama", "gpt2", "qwen2_moe", "mixtral"):
         assert tiny_config(arch).model_type
+
+
+def test_auto_budgets_come_from_the_planner():
+    from megatrain_lightning.checkpoint import hf_model
+    from megatrain_lightning.planner import Machine, ModelShape, Workload, plan_for
+
+    run = fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
+    engine = run.trainer.strategy.engine
+    shape = ModelShape.from_blocks([b.numel for b in engine.blocks], hf_model(run.module)[1].config)
+    settings = plan_for(shape, Machine.detect("cpu"), "none", Workload(compute_dtype="fp32")).settings
+    assert engine.pager.num_slots == min(settings.num_slots, len(engine.blocks)) >= 1
