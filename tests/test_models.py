@@ -181,10 +181,14 @@ def test_fit_lowers_loss_on_shipped_corpus(tmp_path):
 
 def test_hydra_configs_compose():
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose(config_name="train")
         assert cfg.strategy._target_ == "megatrain_lightning.MegaTrainStrategy"
+        # The default pages the store through a folder of the run; `strategy=megatrain` keeps it in RAM.
+        assert OmegaConf.to_container(cfg.strategy)["offload_dir"] == "${hydra:runtime.output_dir}/offload"
+        cfg = compose(config_name="train", overrides=["strategy=megatrain"])
         assert dict(cfg.strategy) == {
             "_target_": "megatrain_lightning.MegaTrainStrategy",
             "max_vram_gb": None,
