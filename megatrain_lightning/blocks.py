@@ -68,6 +68,7 @@ class Block:
     sites: list[CallSite] = field(default_factory=list)
     numel: int = 0  # length of the flat buffer, padding included
     large_numel: int = 0  # where the small parameters begin
+    repeated: bool = False  # an instance of a block class (a decoder layer), not embeddings/head
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's shaped view into a flat buffer of this block's layout."""
@@ -163,7 +164,9 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     for members in groups.values():
         unique = {id(p): p for site_name in members for *_, p in site_params[site_name]}
         layout = sorted(unique.values(), key=lambda p: p.numel() < SMALL_PARAM)  # stable: large first
-        block = Block(index=len(blocks), name=" + ".join(members))
+        block = Block(
+            index=len(blocks), name=" + ".join(members), repeated=all(m in block_roots for m in members)
+        )
         position: dict[int, int] = {}
         offset = 0
         for param in layout:

@@ -21,6 +21,7 @@ class EngineStats:
     disk_read_s: float = 0.0  # time in reads (I/O threads, summed)
     disk_write_s: float = 0.0
     peak_host_cache_bytes: int = 0  # disk tier: most bytes the host cache ever held
+    optimizer_state_bytes: int = 0  # bytes the store holds for Adam m, v and their scales
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

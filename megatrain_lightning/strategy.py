@@ -38,7 +38,7 @@ from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import can_pin_memory
 
 _GB = 1e9
-COMPRESSIONS = ("none",)
+COMPRESSIONS = ("none", "int8", "int4")
 
 
 def _budget(name: str, value: Any) -> float | None:
@@ -67,7 +67,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             it, in RAM only through the cache. ``"auto"``: ``<default_root_dir>/megatrain_offload``.
             ``None``: everything stays in host RAM.
         keep_offload_dir: keep the store's files when the model is freed (they are removed otherwise).
-        optimizer_compression: ``"none"``.
+        optimizer_compression: Adam moments in the store: ``"none"`` (fp32, exact), ``"int8"`` or
+            ``"int4"`` (block-quantized; ``True`` means ``"int4"``). Weights, gradients and the update
+            arithmetic stay fp32.
         block_classes: classes (or class names) of the repeated layers; default: the Hugging Face
             model's ``_no_split_modules``.
         activation_checkpointing: keep only block-boundary activations and recompute each block in backward.
@@ -107,8 +109,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             )
         self.offload_dir = None if offload_dir is None else os.fspath(offload_dir)
         self.keep_offload_dir = bool(keep_offload_dir)
-        if optimizer_compression is False:
-            optimizer_compression = "none"
+        if isinstance(optimizer_compression, bool):  # the seed article's `optimizer_compression=True`
+            optimizer_compression = "int4" if optimizer_compression else "none"
         if optimizer_compression not in COMPRESSIONS:
             raise MisconfigurationException(
                 f"`optimizer_compression` must be one of {COMPRESSIONS}; got {optimizer_compression!r}."
@@ -305,6 +307,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             locate=locate,
             before_update=engine.pager.invalidate,
             stats=engine.stats,
+            compression=self.optimizer_compression,
             threads=self.optimizer_threads,
         )
         optimizer.defer_updates = bool(trainer.gradient_clip_val) or is_overridden(
@@ -327,6 +330,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def post_training_step(self) -> None:
         self.engine.update_host_bytes()
+        if self.engine.optimizer is not None:
+            self.engine.stats.optimizer_state_bytes = self.engine.optimizer.state_bytes()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

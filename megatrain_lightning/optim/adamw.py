@@ -31,12 +31,16 @@ from torch.optim.adam import adam
 
 from megatrain_lightning.blocks import align_up
 from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
 from megatrain_lightning.timeline import TIMELINE
 
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
-_STATE = ("exp_avg", "exp_avg_sq")
+_STATE = ("exp_avg", "exp_avg_sq")  # fp32 moments (every block without compression; small params with it)
+_CODES = ("m_codes", "m_scales", "v_codes", "v_scales")  # block-quantized moments of large parameters
+COMPRESSIONS = {"none": None, "int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,11 @@ class CPUAdamW(Optimizer):
         locate: ``id(param) -> (block, index)`` for every parameter in ``params``.
         before_update: called with a block index right before that block's weights change.
         decoupled_weight_decay: AdamW (``True``) or Adam with L2 weight decay (``False``).
+        compression: ``"none"`` (fp32 moments: bitwise torch), ``"int8"`` or ``"int4"``: the moments of
+            the large parameters of repeated blocks (decoder layers) are stored block-quantized
+            (:mod:`megatrain_lightning.optim.codecs`) and updated by one fused pass
+            (:mod:`megatrain_lightning.optim.quantized`); small parameters, embeddings and the head keep
+            fp32 moments unless ``compress_all_blocks``.
         threads: worker threads running block updates.
     """
 
@@ -86,6 +95,8 @@ class CPUAdamW(Optimizer):
         foreach: bool | None = None,
         fused: bool | None = True,
         decoupled_weight_decay: bool = True,
+        compression: str = "none",
+        compress_all_blocks: bool = False,
         threads: int = 1,
     ) -> None:
         defaults = dict(
@@ -122,6 +133,17 @@ class CPUAdamW(Optimizer):
             for block, indices in by_block.items():
                 self._plan[block].append((g, indices))
         self._steps = [[0] * len(b.params) for b in store.blocks]
+        if compression not in COMPRESSIONS:
+            raise MisconfigurationException(
+                f"`compression` must be one of {tuple(COMPRESSIONS)}; got {compression!r}."
+            )
+        self.compression = compression
+        self._bits = COMPRESSIONS[compression]
+        # Where each block's quantized region ends (0: all fp32); fp32 moments cover the rest.
+        self._quantized = [
+            b.large_numel if self._bits and (b.repeated or compress_all_blocks) else 0 for b in store.blocks
+        ]
+        self._define_state_kinds()
 
     @classmethod
     def from_optimizer(cls, optimizer: Optimizer, **kwargs: Any) -> CPUAdamW:
@@ -141,6 +163,34 @@ class CPUAdamW(Optimizer):
         )
         groups = [dict(group) for group in optimizer.param_groups]
         return cls(groups, decoupled_weight_decay=decoupled, **kwargs)
+
+    def _define_state_kinds(self) -> None:
+        bits, q = self._bits, self._quantized
+        for kind in _STATE:
+            self.store.define_kind(kind, torch.float32, lambda b: b.numel - q[b.index])
+        if bits:
+            code = lambda b: codecs.code_bytes(q[b.index], bits)  # noqa: E731
+            self.store.define_kind("m_codes", torch.uint8, code)
+            self.store.define_kind("v_codes", torch.uint8, code)
+            self.store.define_kind(
+                "m_scales", torch.float32, lambda b: codecs.num_scales(q[b.index], "m", bits)
+            )
+            self.store.define_kind(
+                "v_scales", torch.float32, lambda b: codecs.num_scales(q[b.index], "v", bits)
+            )
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        """The store kinds holding this optimizer's moments."""
+        return (*_STATE, *_CODES) if self._bits else _STATE
+
+    def state_bytes(self) -> int:
+        """Bytes the store's layout gives the moments (and their scales), over all blocks."""
+        return sum(
+            self.store.layout(b, kind)[1] * self.store.layout(b, kind)[0].itemsize
+            for b in range(len(self.store.blocks))
+            for kind in self.state_kinds
+        )
 
     # -- stepping --
 
@@ -273,63 +323,90 @@ class CPUAdamW(Optimizer):
             future.set_exception(err)
 
     def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
+        kinds = ("param", "grad", *self.state_kinds)
         with contextlib.ExitStack() as pins:
-            flats = [
-                pins.enter_context(self.store.pinned(block, k, write=True))
-                for k in ("param", "grad", *_STATE)
-            ]
+            flats = {k: pins.enter_context(self.store.pinned(block, k, write=True)) for k in kinds}
             self._update_pinned(block, flats, hparams, clip)
         self.store.discard(block, "grad")
-        self.store.written(block, ("param", *_STATE))
+        self.store.written(block, ("param", *self.state_kinds))
 
     def _update_pinned(
-        self, block: int, flats: list[Tensor], hparams: list[_GroupHparams], clip: _Clip
+        self, block: int, flats: dict[str, Tensor], hparams: list[_GroupHparams], clip: _Clip
     ) -> None:
         present = set(self.grads.present(block))
         steps = self._steps[block]
+        q = self._quantized[block]  # elements [0, q) have quantized moments, [q, numel) fp32 ones
         for group, indices in self._plan[block]:
             runs = self._runs(block, [i for i in indices if i in present])
             if not runs:
                 continue
-            params, grads, exp_avgs, exp_avg_sqs = ([f[a:b] for a, b, _ in runs] for f in flats)
+            grads = [flats["grad"][a:b] for a, b, _ in runs]
             if clip.value is not None:
                 self._clamp(grads, clip.value)
             if clip.coef is not None:
                 torch._foreach_mul_(grads, clip.coef)
             h = hparams[group]
-            adam(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                [],
-                [torch.tensor(float(steps[members[0]])) for _, _, members in runs],
-                foreach=h.foreach,
-                fused=h.fused,
-                decoupled_weight_decay=self.decoupled_weight_decay,
-                amsgrad=False,
-                beta1=h.beta1,
-                beta2=h.beta2,
-                lr=h.lr,
-                weight_decay=h.weight_decay,
-                eps=h.eps,
-                maximize=h.maximize,
-            )
+            fp32 = [(run, grad) for run, grad in zip(runs, grads, strict=True) if run[0] >= q]
+            if fp32:
+                adam(
+                    [flats["param"][a:b] for (a, b, _), _ in fp32],
+                    [grad for _, grad in fp32],
+                    [flats["exp_avg"][a - q : b - q] for (a, b, _), _ in fp32],
+                    [flats["exp_avg_sq"][a - q : b - q] for (a, b, _), _ in fp32],
+                    [],
+                    [torch.tensor(float(steps[members[0]])) for (_, _, members), _ in fp32],
+                    foreach=h.foreach,
+                    fused=h.fused,
+                    decoupled_weight_decay=self.decoupled_weight_decay,
+                    amsgrad=False,
+                    beta1=h.beta1,
+                    beta2=h.beta2,
+                    lr=h.lr,
+                    weight_decay=h.weight_decay,
+                    eps=h.eps,
+                    maximize=h.maximize,
+                )
+            for (a, b, members), grad in zip(runs, grads, strict=True):
+                if a < q:
+                    codes, m_scales, v_scales = codecs.state_slices(a, b, self._bits)
+                    quantized_adamw_(
+                        flats["param"][a:b],
+                        grad,
+                        flats["m_codes"][codes],
+                        flats["m_scales"][m_scales],
+                        flats["v_codes"][codes],
+                        flats["v_scales"][v_scales],
+                        bits=self._bits,
+                        step=steps[members[0]] + 1,
+                        lr=h.lr,
+                        beta1=h.beta1,
+                        beta2=h.beta2,
+                        eps=h.eps,
+                        weight_decay=h.weight_decay,
+                        decoupled_weight_decay=self.decoupled_weight_decay,
+                        maximize=h.maximize,
+                    )
             for _, _, members in runs:
                 for i in members:
                     steps[i] += 1
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
-        """Neighbouring parameters with equal step counts, merged: ``(start, end, members)`` in the flat
-        buffer. Adam's arithmetic is elementwise, so one run computes bitwise what its parameters would
-        one by one (the zero padding between them stays zero).
+        """Neighbouring parameters with equal step counts (and the same kind of moments), merged:
+        ``(start, end, members)`` in the flat buffer. Adam's arithmetic is elementwise, so one run
+        computes bitwise what its parameters would one by one (the zero padding between them stays zero).
         """
         specs = self.store.blocks[block].params
         steps = self._steps[block]
+        q = self._quantized[block]
         runs: list[tuple[int, int, list[int]]] = []
         for i in sorted(indices, key=lambda i: specs[i].offset):
             p = specs[i]
-            if runs and align_up(runs[-1][1]) == p.offset and steps[runs[-1][2][0]] == steps[i]:
+            if (
+                runs
+                and align_up(runs[-1][1]) == p.offset
+                and steps[runs[-1][2][0]] == steps[i]
+                and (runs[-1][0] < q) == (p.offset < q)
+            ):
                 runs[-1] = (runs[-1][0], p.offset + p.numel, [*runs[-1][2], i])
             else:
                 runs.append((p.offset, p.offset + p.numel, [i]))
@@ -340,13 +417,13 @@ class CPUAdamW(Optimizer):
     def block_state(self, block: int) -> dict[str, Tensor]:
         """``block``'s optimizer state as flat tensors: each state buffer and per-parameter step counts."""
         self.wait(block)
-        state = {kind: self.store.read(block, kind) for kind in _STATE}
+        state = {kind: self.store.read(block, kind) for kind in self.state_kinds}
         state["step"] = torch.tensor(self._steps[block], dtype=torch.int64)
         return state
 
     def load_block_state(self, block: int, tensors: dict[str, Tensor]) -> None:
         self.wait(block)
-        for kind in _STATE:
+        for kind in self.state_kinds:
             with self.store.pinned(block, kind, write=True) as flat:
                 if tensors[kind].shape != flat.shape or tensors[kind].dtype != flat.dtype:
                     raise ValueError(
@@ -354,7 +431,7 @@ class CPUAdamW(Optimizer):
                     )
                 flat.copy_(tensors[kind])
         self._steps[block] = tensors["step"].tolist()
-        self.store.written(block, _STATE)
+        self.store.written(block, self.state_kinds)
 
     def load_param_groups(self, groups: list[dict[str, Any]]) -> None:
         """Hyperparameters (lr, betas, ...) of saved param groups; the parameters stay this optimizer's."""
@@ -363,10 +440,13 @@ class CPUAdamW(Optimizer):
         for group, saved in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
-    # -- state dict, in torch.optim.AdamW's format --
+    # -- state dict: torch.optim.AdamW's format; with compression, the compressed blocks as stored --
 
     def state_dict(self) -> dict[str, Any]:
         self.wait_all()
+        if self._bits:
+            blocks = {b: self.block_state(b) for b in range(len(self.store.blocks))}
+            return {"state": {}, "param_groups": self.param_groups_state(), "blocks": blocks}
         state: dict[int, dict[str, Tensor]] = {}
         views: dict[int, list[list[Tensor]]] = {}
         for i, (block, index) in enumerate(self._order):
@@ -394,6 +474,12 @@ class CPUAdamW(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_all()
         self.load_param_groups(state_dict["param_groups"])
+        if self._bits or "blocks" in state_dict:
+            if self._bits is None or "blocks" not in state_dict:
+                raise ValueError("megatrain: optimizer state saved with another `optimizer_compression`")
+            for block, tensors in state_dict["blocks"].items():
+                self.load_block_state(int(block), tensors)
+            return
         for i, (block, index) in enumerate(self._order):
             saved = state_dict["state"].get(i, state_dict["state"].get(str(i)))
             if saved is None:

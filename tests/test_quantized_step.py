@@ -1,0 +1,387 @@
+"""The fused quantized AdamW step: AdamW semantics within the codecs' error, C++ kernel == torch
+fallback bit for bit, slices touch only their own elements, no NaN/Inf in the state."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch.optim.adam import adam
+
+from megatrain_lightning.optim import codecs as C
+from megatrain_lightning.optim import quantized as Q
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+MODES = [
+    dict(decoupled_weight_decay=True, maximize=False),
+    dict(decoupled_weight_decay=False, maximize=False),
+    dict(decoupled_weight_decay=True, maximize=True),
+    dict(decoupled_weight_decay=False, maximize=True),
+]
+
+
+def _kernel_or_skip() -> Q._Kernel:
+    kernel = Q.load_kernel()
+    if kernel is None:
+        pytest.skip(f"the C++ kernel is unavailable here ({Q._kernel_error}); the fallback is tested alone")
+    return kernel
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def variant_kernels() -> dict[str, Q._Kernel]:
+    """The other code paths of the kernel, which other CPUs run: portable C++ (no -march) and AVX2
+    (built side by side: each build takes a few seconds)."""
+    _kernel_or_skip()
+    compiler = Q._compiler()
+    assert compiler is not None
+    variants = {"generic": ["-fopenmp"]}
+    if _cpu_has("avx2"):
+        variants["avx2"] = ["-mavx2", "-fopenmp"]
+    with ThreadPoolExecutor(len(variants)) as pool:
+        built = pool.map(lambda flags: Q._build(compiler, [flags]), variants.values())
+        paths = dict(zip(variants, built, strict=True))
+    return {name: Q._Kernel(path) for name, path in paths.items()}
+
+
+def _grads(n: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    scale = 1 + torch.arange(n) % 7  # uneven magnitudes inside blocks
+    return [torch.randn(n, generator=g) * scale for _ in range(steps)]
+
+
+def _run(n: int, bits: int, steps: int, use_kernel: bool, num_threads: int | None = None, **mode) -> tuple:
+    p = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    state = C.empty_state(n, bits)
+    for step, grad in enumerate(_grads(n, steps), start=1):
+        Q.quantized_adamw_(
+            p,
+            grad,
+            *state,
+            bits=bits,
+            step=step,
+            use_kernel=use_kernel,
+            num_threads=num_threads,
+            **HP,
+            **mode,
+        )
+    return (p, *state)
+
+
+def _assert_identical(a: tuple, b: tuple) -> None:
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+# -- C++ kernel == torch fallback, bit for bit --
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("mode", MODES, ids=["adamw", "adam_l2", "adamw_max", "adam_l2_max"])
+@pytest.mark.parametrize("n", [1, 255, 1001, 256 * 40 + 77])
+def test_kernel_matches_fallback(bits: int, mode: dict, n: int) -> None:
+    _kernel_or_skip()
+    _assert_identical(_run(n, bits, 3, True, **mode), _run(n, bits, 3, False, **mode))
+
+
+@pytest.mark.parametrize("variant", ["generic", "avx2"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernels, monkeypatch) -> None:
+    if variant not in variant_kernels:
+        pytest.skip(f"this CPU cannot run the {variant} path")
+    kernel = variant_kernels[variant]
+    assert kernel.isa == variant
+    monkeypatch.setattr(Q, "_kernel", kernel)
+    assert Q.backend() == f"cpp-{variant}"
+    for mode in MODES[:3]:
+        for n in (256 * 33 + 5, 100):
+            _assert_identical(_run(n, bits, 3, True, **mode), _run(n, bits, 3, False, **mode))
+    _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_threads_do_not_change_results(bits: int) -> None:
+    _kernel_or_skip()
+    n = 256 * 300 + 3
+    _assert_identical(_run(n, bits, 2, True, num_threads=1), _run(n, bits, 2, True, num_threads=3))
+
+
+# -- AdamW semantics --
+
+
+def _reference_step(p, grad, m, v, step, mode) -> None:
+    """torch's single-tensor Adam(W); it increments the step count it is given."""
+    adam([p], [grad], [m], [v], [], [torch.tensor(float(step - 1))], foreach=False, fused=False, amsgrad=False,
+         beta1=HP["beta1"], beta2=HP["beta2"], lr=HP["lr"], weight_decay=HP["weight_decay"], eps=HP["eps"],
+         maximize=mode["maximize"], decoupled_weight_decay=mode["decoupled_weight_decay"])  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("mode", MODES, ids=["adamw", "adam_l2", "adamw_max", "adam_l2_max"])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
+def test_step_is_adamw_on_the_decoded_state(bits: int, mode: dict, use_kernel: bool) -> None:
+    """Each step equals fp32 AdamW applied to the decoded moments, and the new state decodes to
+    AdamW's new moments within the codecs' stated error bounds (5 steps, random data)."""
+    if use_kernel:
+        _kernel_or_skip()
+    n = 256 * 20 + 31
+    p = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    state = C.empty_state(n, bits)
+    mc, ms, vc, vs = state
+    for step, grad in enumerate(_grads(n, 5), start=1):
+        m = C.dequantize(mc, ms, "m", bits, n)
+        v = C.dequantize(vc, vs, "v", bits, n)
+        ref_p = p.clone()
+        _reference_step(ref_p, grad, m, v, step, mode)  # m, v now hold AdamW's new fp32 moments
+        Q.quantized_adamw_(p, grad, *state, bits=bits, step=step, use_kernel=use_kernel, **HP, **mode)
+        # the update arithmetic is fp32 (a different order of operations: a few ulps)
+        torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-7)
+        for kind, codes, scales, exact in (("m", mc, ms, m), ("v", vc, vs, v)):
+            decoded = C.dequantize(codes, scales, kind, bits, n)
+            err = (decoded.double() - exact.double()).abs()
+            bound = C.error_bound(exact, kind, bits) * (1 + 1e-5) + 1e-30  # + the ulps above
+            assert (err <= bound).all(), (
+                f"step {step} {kind}: error {float((err - bound).max())} over the bound"
+            )
+            assert torch.isfinite(decoded).all()
+        assert (C.dequantize(vc, vs, "v", bits, n) > 0).all()
+
+
+@pytest.mark.parametrize("bits,limit", [(8, 0.1), (4, 0.45)])
+def test_close_to_fp32_adamw_over_steps(bits: int, limit: float) -> None:
+    """Against a full-precision AdamW run over 10 steps of uncorrelated gradients with magnitudes
+    varying 7x inside blocks: drift / distance travelled (measured: 0.062 int8, 0.32 int4)."""
+    n = 4096 * 4
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    p, ref, m, v = p0.clone(), p0.clone(), torch.zeros(n), torch.zeros(n)
+    state = C.empty_state(n, bits)
+    mode = MODES[0]
+    for step, grad in enumerate(_grads(n, 10), start=1):
+        Q.quantized_adamw_(p, grad, *state, bits=bits, step=step, **HP, **mode)
+        _reference_step(ref, grad, m, v, step, mode)
+    drift = float((p - ref).norm() / (ref - p0).norm())
+    assert drift < limit, drift
+    assert float((p - ref).abs().max()) < 10 * HP["lr"]  # never more than the 10 steps' reach
+
+
+# -- slices --
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
+def test_slice_updates_only_its_elements(bits: int, use_kernel: bool) -> None:
+    """Slice [a, b) with a = 256 k and b unaligned (odd): everything outside is untouched, and the slice
+    evolves exactly as the same data would alone."""
+    if use_kernel:
+        _kernel_or_skip()
+    total, a, b = 256 * 12, 256 * 3, 256 * 7 + 57
+    g = torch.Generator().manual_seed(3)
+    param, grad = torch.randn(total, generator=g), torch.randn(total, generator=g)
+    state = C.empty_state(total, bits)
+    for t in state:  # non-trivial state everywhere
+        t.copy_(
+            torch.randint(0, 255, t.shape, generator=g).to(t.dtype)
+            if t.dtype == torch.uint8
+            else t.uniform_(0.5, 1.0)
+        )
+    before = [t.clone() for t in (param, grad, *state)]
+    codes, msl, vsl = C.state_slices(a, b, bits)
+    alone = [param[a:b].clone(), grad[a:b].clone(), state[0][codes].clone(), state[1][msl].clone(),
+             state[2][codes].clone(), state[3][vsl].clone()]  # fmt: skip
+    for step in (1, 2):
+        Q.quantized_adamw_(param[a:b], grad[a:b], state[0][codes], state[1][msl], state[2][codes], state[3][vsl],
+                           bits=bits, step=step, use_kernel=use_kernel, **HP)  # fmt: skip
+        Q.quantized_adamw_(*alone, bits=bits, step=step, use_kernel=use_kernel, **HP)
+    after = (param, grad, *state)
+    ranges = [slice(a, b), slice(a, b), codes, msl, codes, vsl]
+    for name, old, new, r in zip(
+        ["param", "grad", "m_codes", "m_scales", "v_codes", "v_scales"], before, after, ranges, strict=True
+    ):
+        outside = torch.ones(new.numel(), dtype=torch.bool)
+        outside[r] = False
+        if name.endswith("codes") and bits == 4:
+            # the last byte is shared with element b (padding in the store): only its low nibble is ours
+            assert new[r.stop - 1] >> 4 == old[r.stop - 1] >> 4
+        assert torch.equal(new[outside], old[outside]), f"{name} changed outside the slice"
+    assert torch.equal(grad, before[1])
+    assert not torch.equal(param[a:b], before[0][a:b])
+    got = [param[a:b], grad[a:b], state[0][codes], state[1][msl], state[2][codes], state[3][vsl]]
+    if bits == 4:  # the alone copy's last byte has the same low nibble
+        got[2], got[4] = got[2].clone(), got[4].clone()
+        for i in (2, 4):
+            got[i][-1] = (alone[i][-1] & 0xF0) | (got[i][-1] & 0x0F)
+    _assert_identical(tuple(got), tuple(alone))
+
+
+def test_rejects_bad_slices() -> None:
+    n = 1000
+    p, g = torch.zeros(n), torch.zeros(n)
+    mc, ms, vc, vs = C.empty_state(n, 8)
+    with pytest.raises(ValueError, match="m_codes"):
+        Q.quantized_adamw_(p, g, mc[:-1], ms, vc, vs, bits=8, step=1, **HP)
+    with pytest.raises(ValueError, match="v_scales"):
+        Q.quantized_adamw_(p, g, mc, ms, vc, vs[:-1], bits=8, step=1, **HP)
+    with pytest.raises(ValueError, match="param"):
+        Q.quantized_adamw_(p.double(), g, mc, ms, vc, vs, bits=8, step=1, **HP)
+    with pytest.raises(ValueError, match="bits"):
+        Q.quantized_adamw_(p, g, mc, ms, vc, vs, bits=2, step=1, **HP)
+    with pytest.raises(ValueError, match="step"):
+        Q.quantized_adamw_(p, g, mc, ms, vc, vs, bits=8, step=0, **HP)
+
+
+# -- adversarial gradients: the state stays finite --
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
+def test_state_stays_finite(bits: int, use_kernel: bool) -> None:
+    if use_kernel:
+        _kernel_or_skip()
+    n = 256 * 8
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    p = p0.clone()
+    state = C.empty_state(n, bits)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    g[:256] = 0.0  # all-zero blocks
+    g[256:512] *= 1e-42  # subnormal gradients (v underflows to 0)
+    g[512] = 1e30  # v overflows to inf
+    g[700] = float("nan")
+    g[900] = -float("inf")
+    g[1024:1280] = -0.0
+    for step in range(1, 4):
+        Q.quantized_adamw_(p, g, *state, bits=bits, step=step, use_kernel=use_kernel, **HP)
+        for kind, codes, scales in (("m", state[0], state[1]), ("v", state[2], state[3])):
+            assert torch.isfinite(scales).all()
+            decoded = C.dequantize(codes, scales, kind, bits, n)
+            assert torch.isfinite(decoded).all(), kind
+        assert (C.dequantize(state[2], state[3], "v", bits, n) > 0).all()
+    # blocks without non-finite gradients keep finite parameters (as in torch, NaN/Inf only poison their own)
+    assert torch.isfinite(p[:512]).all() and torch.isfinite(p[1024:]).all()
+    decay = Q._hyper(1, **HP, decoupled_weight_decay=True, maximize=False).decay
+    assert torch.equal(p[:256], p0[:256] * decay * decay * decay)  # zero gradients: only weight decay
+
+
+def _adversarial_run(bits: int, use_kernel: bool) -> tuple:
+    n = 256 * 6 + 1
+    g = torch.randn(n, generator=torch.Generator().manual_seed(6)) * 1e-3
+    g[5], g[300], g[600], g[1000] = 1e30, float("nan"), -float("inf"), 1e-44
+    g[800:1000] = 1e-40
+    p = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    state = C.empty_state(n, bits)
+    for step in (1, 2, 3):
+        Q.quantized_adamw_(p, g, *state, bits=bits, step=step, use_kernel=use_kernel, **HP)
+    return (p, *state)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_adversarial_kernel_matches_fallback(bits: int) -> None:
+    """NaN, Inf, overflowing and subnormal gradients: the kernel's rare cleaning path included."""
+    _kernel_or_skip()
+    _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
+
+
+def test_kernel_ignores_flush_denormal() -> None:
+    """torch.set_flush_denormal(True) must not change the kernel's decoding of small codes."""
+    _kernel_or_skip()
+    n = 512
+    g = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    g[::2] *= 1e-4  # tiny m next to large ones: subnormal E4M3 codes
+    results = []
+    for flush in (False, True):
+        p = torch.randn(n, generator=torch.Generator().manual_seed(9))
+        state = C.empty_state(n, 8)
+        previous = torch.set_flush_denormal(flush)
+        try:
+            for step in (1, 2):
+                Q.quantized_adamw_(p, g, *state, bits=8, step=step, use_kernel=True, **HP)
+        finally:
+            torch.set_flush_denormal(False)
+        results.append((p, *state))
+        del previous
+    _assert_identical(results[0], results[1])
+    magnitude = results[0][1] & 127
+    assert ((magnitude > 0) & (magnitude < 8)).any(), "no subnormal E4M3 code was exercised"
+
+
+# -- concurrency and loading --
+
+
+def test_concurrent_slices_from_threads() -> None:
+    """Disjoint slices stepped from several Python threads at once == stepped one after another."""
+    _kernel_or_skip()
+    bits, parts, size = 4, 4, 256 * 64
+    g = torch.Generator().manual_seed(10)
+    grad = torch.randn(parts * size, generator=g)
+    init = torch.randn(parts * size, generator=g)
+    results = []
+    for concurrent in (False, True):
+        p = init.clone()
+        state = C.empty_state(parts * size, bits)
+
+        def work(i: int, p=p, state=state) -> None:
+            a, b = i * size, i * size + size - 3
+            codes, msl, vsl = C.state_slices(a, b, bits)
+            for step in (1, 2, 3):
+                Q.quantized_adamw_(p[a:b], grad[a:b], state[0][codes], state[1][msl], state[2][codes], state[3][vsl],
+                                   bits=bits, step=step, num_threads=2, **HP)  # fmt: skip
+
+        if concurrent:
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(parts)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for i in range(parts):
+                work(i)
+        results.append((p, *state))
+    _assert_identical(results[0], results[1])
+
+
+def test_load_is_thread_safe(monkeypatch) -> None:
+    _kernel_or_skip()
+    monkeypatch.setattr(Q, "_kernel", None)
+    monkeypatch.setattr(Q, "_kernel_error", None)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(Q.load_kernel())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 4 and got[0] is not None and all(k is got[0] for k in got)
+
+
+def test_fallback_warns_once(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(Q, "_kernel", None)
+    monkeypatch.setattr(Q, "_kernel_error", "no compiler (test)")
+    monkeypatch.setattr(Q, "_warned", False)
+    n = 300
+    p, g = torch.zeros(n), torch.ones(n)
+    state = C.empty_state(n, 8)
+    with caplog.at_level(logging.WARNING, logger=Q.__name__):
+        for step in (1, 2):
+            Q.quantized_adamw_(p, g, *state, bits=8, step=step, **HP)
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "no compiler (test)" in caplog.records[0].getMessage()
+    assert Q.backend() == "torch"
+    with pytest.raises(RuntimeError, match="unavailable"):
+        Q.quantized_adamw_(p, g, *state, bits=8, step=3, use_kernel=True, **HP)
+
+
+def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(Q, "_kernel", None)
+    monkeypatch.setattr(Q, "_kernel_error", None)
+    monkeypatch.setenv("MEGATRAIN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(Q, "_compiler", lambda: None)
+    assert Q.load_kernel() is None and "compiler" in (Q._kernel_error or "")
