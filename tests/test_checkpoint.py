@@ -206,7 +206,7 @@ def _run(mode: str, root, tier: str, compression: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-@pytest.mark.parametrize("compression", ["none"])
+@pytest.mark.parametrize("compression", ["none", "int4"])
 def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, tier, compression):
     full = _run("full", tmp_path, tier, compression)
     assert full.returncode == 0, full.stderr[-3000:]
