@@ -391,9 +391,10 @@ class CPUAdamW(Optimizer):
                     steps[i] += 1
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
-        """Neighbouring parameters with equal step counts (and the same kind of moments), merged:
-        ``(start, end, members)`` in the flat buffer. Adam's arithmetic is elementwise, so one run
-        computes bitwise what its parameters would one by one (the zero padding between them stays zero).
+        """Neighbouring parameters with equal step counts and fp32 moments, merged: ``(start, end,
+        members)`` in the flat buffer. Adam's arithmetic is elementwise, so one run computes bitwise what
+        its parameters would one by one (the zero padding between them stays zero). Parameters with
+        quantized moments stay alone, so that their last scale block never includes padding.
         """
         specs = self.store.blocks[block].params
         steps = self._steps[block]
@@ -405,7 +406,8 @@ class CPUAdamW(Optimizer):
                 runs
                 and align_up(runs[-1][1]) == p.offset
                 and steps[runs[-1][2][0]] == steps[i]
-                and (runs[-1][0] < q) == (p.offset < q)
+                and runs[-1][0] >= q
+                and p.offset >= q
             ):
                 runs[-1] = (runs[-1][0], p.offset + p.numel, [*runs[-1][2], i])
             else:

@@ -169,7 +169,8 @@ def _cpu_signature() -> str:
 
 def _writable_cache() -> Path:
     """``cache_dir()``, or a per-user folder under the temp dir when that cannot be created."""
-    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"megatrain_lightning-kernels-{os.getuid()}"):
+    user = getattr(os, "getuid", lambda: 0)()
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"megatrain_lightning-kernels-{user}"):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if os.access(folder, os.W_OK):
