@@ -7,13 +7,13 @@ import warnings
 
 import pytest
 import torch
+from conftest import tiny_model
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from transformers import TrainingArguments
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning import hf_trainer as mt
 from megatrain_lightning.data import TextDataModule
-from tests.conftest import tiny_model
 
 
 class _InputsOnly(torch.utils.data.Dataset):
