@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,3 +94,23 @@ def assert_same_training(plain: Run, paged: Run, loss_rtol: float = 1e-6, param_
         assert got.dtype == value.dtype and got.device.type == "cpu", name
         diff = (got - value).abs().max().item()
         assert diff <= param_atol, f"{name}: max abs diff {diff}"
+
+
+_PEAK_RSS_WATCHER = """
+import psutil, threading, time
+process = psutil.Process()
+peak = {"rss": 0}
+def watch():
+    while True:
+        peak["rss"] = max(peak["rss"], process.memory_info().rss)
+        time.sleep(0.005)
+threading.Thread(target=watch, daemon=True).start()
+time.sleep(0.05)
+baseline = peak["rss"]
+"""
+
+
+def peak_rss_script(body: str) -> str:
+    """A subprocess script whose ``PEAK_RSS_WATCHER`` line becomes a thread tracking peak RSS in
+    ``peak["rss"]``, with ``baseline`` the RSS before the measured work."""
+    return textwrap.dedent(body).replace("PEAK_RSS_WATCHER", _PEAK_RSS_WATCHER.strip())

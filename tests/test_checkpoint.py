@@ -14,7 +14,7 @@ import time
 import lightning as L
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import peak_rss_script, tiny_model
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy
@@ -274,7 +274,7 @@ def test_sigkill_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert trainer.global_step == 3
 
 
-LOAD_SCRIPT = textwrap.dedent(
+LOAD_SCRIPT = peak_rss_script(
     """
     import json, sys, threading, time
     import lightning as L, psutil, torch
@@ -283,15 +283,7 @@ LOAD_SCRIPT = textwrap.dedent(
     from megatrain_lightning.models import CausalLMModule
 
     model_dir, offload = sys.argv[1], sys.argv[2]
-    process = psutil.Process()
-    peak = {"rss": 0}
-    def watch():
-        while True:
-            peak["rss"] = max(peak["rss"], process.memory_info().rss)
-            time.sleep(0.005)
-    threading.Thread(target=watch, daemon=True).start()
-    time.sleep(0.05)
-    baseline = peak["rss"]
+    PEAK_RSS_WATCHER
     module = CausalLMModule(model_dir)
     strategy = MegaTrainStrategy(offload_dir=offload, max_cpu_gb=0.2, max_vram_gb=0.03)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", logger=False, enable_progress_bar=False,

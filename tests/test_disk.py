@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
-from conftest import assert_same_training, fit, tiny_model
+from conftest import assert_same_training, fit, peak_rss_script, tiny_model
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning import MegaTrainStrategy
@@ -126,7 +125,7 @@ def test_a_failed_write_stops_the_run_with_the_path(tmp_path, monkeypatch, code)
         assert "larger disk" in str(info.value)
 
 
-MEMORY_SCRIPT = textwrap.dedent(
+MEMORY_SCRIPT = peak_rss_script(
     """
     import json, resource, sys, threading, time
     import lightning as L, psutil, torch
@@ -138,15 +137,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     config = tiny_config("llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=24,
                          num_attention_heads=8, num_key_value_heads=8)
     module = CausalLMModule(config, lr=1e-4, max_steps=2)  # built on meta in configure_model
-    process = psutil.Process()
-    peak = {"rss": 0}
-    def watch():
-        while True:
-            peak["rss"] = max(peak["rss"], process.memory_info().rss)
-            time.sleep(0.005)
-    threading.Thread(target=watch, daemon=True).start()
-    time.sleep(0.05)
-    baseline = peak["rss"]
+    PEAK_RSS_WATCHER
     slots_gb = 2 * 4 * 3_200_000 / 1e9
     strategy = megatrain_lightning.MegaTrainStrategy(offload_dir=folder, max_cpu_gb=cache_gb, max_vram_gb=slots_gb)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
