@@ -1,0 +1,252 @@
+"""Compressed-state AdamW throughput: megatrain's fused int8 / int4 step against its memory floor,
+``torch.optim.AdamW(fused=True)`` (fp32 state) and the CPU low-bit optimizers that exist today.
+
+One ``--numel``-parameter block (100M by default), ``--threads`` torch threads (2). Each round
+times, back to back, the in-place memory bandwidth (``x.mul_(c)`` over ``--numel`` fp32: 8 bytes
+per element), our int8 and int4 steps and torch's fused AdamW, so that every ratio compares numbers
+measured under the same background load; the report gives medians over rounds of the per-round
+figures. The *floor* of a step is its bytes moved per parameter (int8: param r/w 8 + grad 4 +
+codes r/w 2 + 2 + scales = 16.09; int4: 14.13; fp32 AdamW: 28) divided by that bandwidth; the goal
+is each quantized step within 1.5x of its floor.
+
+Then, each once, if importable (never installed by this project; skipped with a message):
+torchao ``AdamW8bit``/``AdamW4bit`` (torch.compile'd, the first step compiles), bitsandbytes
+``AdamW8bit`` on CPU and DeepSpeed's ``DeepSpeedCPUAdam`` (fp32 state, JIT-built with
+``DS_ACCELERATOR=cpu``; the first build takes minutes), timed on ``--others-numel`` parameters
+(bitsandbytes on ``--bnb-numel``: it runs at a few M params/s), and our int8 step on the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim import quantized as Q
+
+HP = dict(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+GOAL = 1.5  # step time / floor time
+
+
+def bytes_per_param(bits: int | None) -> float:
+    """Bytes one step moves per parameter: fp32 AdamW (``None``) or the quantized step."""
+    if bits is None:
+        return 28.0  # param r/w 8, grad 4, m r/w 8, v r/w 8
+    n = 1 << 20
+    return 12.0 + 2 * codecs.state_bytes(n, bits) / n  # param r/w 8 + grad 4 + state r/w
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Ours:
+    def __init__(self, numel: int, bits: int, use_kernel: bool | None = None) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.param = torch.randn(numel, generator=g)
+        self.grad = torch.randn(numel, generator=g)
+        self.state = codecs.empty_state(numel, bits)
+        self.bits, self.use_kernel, self.count = bits, use_kernel, 0
+
+    def step(self) -> None:
+        self.count += 1
+        Q.quantized_adamw_(
+            self.param,
+            self.grad,
+            *self.state,
+            bits=self.bits,
+            step=self.count,
+            use_kernel=self.use_kernel,
+            **HP,
+        )
+
+
+class TorchOptimizer:
+    def __init__(
+        self, numel: int, factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    ) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.param = torch.nn.Parameter(torch.randn(numel, generator=g))
+        self.param.grad = torch.randn(numel, generator=g)
+        self.optimizer = factory([self.param])
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+def bench_main(numel: int, rounds: int) -> dict[str, list[float]]:
+    """Rounds of [bandwidth, int8, int4, fused fp32], interleaved; seconds per call."""
+    x = torch.randn(numel)
+    runs = {
+        "int8": Ours(numel, 8),
+        "int4": Ours(numel, 4),
+        "torch fused fp32": TorchOptimizer(
+            numel, lambda ps: torch.optim.AdamW(ps, fused=True, **_torch_hp())
+        ),
+    }
+    for run in runs.values():  # warm-up: page in the state, build/load the kernel
+        run.step()
+    x.mul_(1.0)
+    times: dict[str, list[float]] = {"bandwidth": [], **{k: [] for k in runs}}
+    for _ in range(rounds):
+        times["bandwidth"].append(timed(lambda: x.mul_(1.0000001)))
+        for name, run in runs.items():
+            times[name].append(timed(run.step))
+    return times
+
+
+def _torch_hp() -> dict:
+    return dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+
+
+def report_main(times: dict[str, list[float]], numel: int) -> dict[str, float]:
+    bw = [8 * numel / t for t in times["bandwidth"]]
+    print(f"\nin-place memory bandwidth (x.mul_): median {statistics.median(bw) / 1e9:.2f} GB/s, "
+          f"range {min(bw) / 1e9:.2f}..{max(bw) / 1e9:.2f}")  # fmt: skip
+    print(f"\n{'step':<18} {'B/param':>8} {'median s':>9} {'Gparam/s':>9} {'floor Gparam/s':>15} "
+          f"{'x floor':>8} {'vs fused':>9}")  # fmt: skip
+    fused = times["torch fused fp32"]
+    summary = {"bandwidth_GBps": statistics.median(bw) / 1e9}
+    for name, bits in (("int8", 8), ("int4", 4), ("torch fused fp32", None)):
+        t = times[name]
+        per_byte = bytes_per_param(bits)
+        floor = [b / per_byte for b in bw]  # params/s at the memory floor, per round
+        x_floor = statistics.median(ti * f / numel for ti, f in zip(t, floor, strict=True))
+        vs_fused = statistics.median(tf / ti for ti, tf in zip(t, fused, strict=True))
+        rate = numel / statistics.median(t)
+        print(f"{name:<18} {per_byte:8.2f} {statistics.median(t):9.4f} {rate / 1e9:9.3f} "
+              f"{statistics.median(floor) / 1e9:15.3f} {x_floor:8.2f} {vs_fused:9.2f}")  # fmt: skip
+        summary[f"{name} Gparam/s"] = rate / 1e9
+        summary[f"{name} x floor"] = x_floor
+        summary[f"{name} vs fused"] = vs_fused
+    for name in ("int8", "int4"):
+        verdict = "met" if summary[f"{name} x floor"] <= GOAL else "NOT met"
+        print(f"{name}: {summary[f'{name} x floor']:.2f}x its memory floor (goal <= {GOAL}: {verdict}), "
+              f"{summary[f'{name} vs fused']:.2f}x the speed of torch fused fp32 AdamW")  # fmt: skip
+    print("\nper-round seconds:")
+    for name, t in times.items():
+        print(f"  {name:<18} " + " ".join(f"{s:.4f}" for s in t))
+    return summary
+
+
+# -- third-party optimizers --
+
+
+def _torchao(bits: int) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    from torchao.optim import AdamW4bit, AdamW8bit
+
+    cls = AdamW8bit if bits == 8 else AdamW4bit
+    return lambda ps: cls(ps, **_torch_hp())
+
+
+def _bnb(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(ps, min_8bit_size=0, **_torch_hp())
+
+
+def _deepspeed(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(ps, adamw_mode=True, **_torch_hp())
+
+
+def bench_others(numel: int, bnb_numel: int, steps: int) -> list[tuple[str, int, float, float]]:
+    """(name, numel, first-step seconds, median seconds of ``steps`` later steps) for each importable one."""
+    candidates = [
+        ("torchao AdamW8bit", numel, lambda n: TorchOptimizer(n, _torchao(8))),
+        ("torchao AdamW4bit", numel, lambda n: TorchOptimizer(n, _torchao(4))),
+        ("bitsandbytes AdamW8bit (CPU)", bnb_numel, lambda n: TorchOptimizer(n, _bnb)),
+        ("DeepSpeedCPUAdam (fp32 state)", numel, lambda n: TorchOptimizer(n, _deepspeed)),
+    ]
+    results = []
+    for name, n, make in candidates:
+        try:
+            run = make(n)
+            first = timed(run.step)
+        except Exception as err:  # absent or broken: say so and go on
+            reason = str(err).splitlines()[0][:150] if str(err) else ""
+            print(f"  {name}: skipped ({type(err).__name__}: {reason})")
+            continue
+        later = [timed(run.step) for _ in range(steps)]
+        results.append((name, n, first, statistics.median(later)))
+        print(f"  {name}: {n / statistics.median(later) / 1e6:.1f} M params/s on {n / 1e6:.0f}M "
+              f"(first step {first:.1f} s)", flush=True)  # fmt: skip
+        del run
+        gc.collect()
+    return results
+
+
+def report_others(results: list[tuple[str, int, float, float]], steps: int) -> None:
+    if not results:
+        return
+    ours: dict[int, dict[int, float]] = {}
+    for n in sorted({r[1] for r in results}):
+        ours[n] = {}
+        for bits in (8, 4):
+            run = Ours(n, bits)
+            run.step()
+            ours[n][bits] = statistics.median(timed(run.step) for _ in range(max(steps, 3)))
+            del run
+            gc.collect()
+    print(f"\n{'optimizer':<32} {'params':>7} {'Mparam/s':>9} {'ours int8 is':>13} {'ours int4 is':>13}")
+    for name, n, _first, t in results:
+        print(
+            f"{name:<32} {n / 1e6:6.0f}M {n / t / 1e6:9.1f} {t / ours[n][8]:12.1f}x {t / ours[n][4]:12.1f}x"
+        )
+    for n, by_bits in ours.items():
+        print(f"{'ours int8 / int4 (same size)':<32} {n / 1e6:6.0f}M "
+              f"{n / by_bits[8] / 1e6:9.1f} / {n / by_bits[4] / 1e6:.1f}")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=100_000_000, help="parameters in the block")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument(
+        "--others-numel", type=int, default=100_000_000, help="parameters for torchao/DeepSpeed"
+    )
+    parser.add_argument(
+        "--bnb-numel", type=int, default=20_000_000, help="parameters for bitsandbytes (slow)"
+    )
+    parser.add_argument(
+        "--others-steps", type=int, default=2, help="timed steps after the first, per optimizer"
+    )
+    parser.add_argument("--no-others", action="store_true", help="skip the third-party optimizers")
+    parser.add_argument("--fallback", action="store_true", help="also time the pure-torch fallback once")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    build = timed(Q.load_kernel)
+    print(f"{args.numel / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, backend {Q.backend()} "
+          f"(loaded/built in {build:.1f} s), torch {torch.__version__}; load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    times = bench_main(args.numel, args.rounds)
+    report_main(times, args.numel)
+    gc.collect()
+    if args.fallback:
+        for bits in (8, 4):
+            run = Ours(args.numel, bits, use_kernel=False)
+            t = timed(run.step)
+            print(f"torch fallback int{bits}: {args.numel / t / 1e9:.3f} Gparam/s")
+            del run
+            gc.collect()
+    if not args.no_others:
+        print("\nthird-party CPU optimizers:", flush=True)
+        results = bench_others(args.others_numel, args.bnb_numel, args.others_steps)
+        report_others(results, args.others_steps)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s; load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
