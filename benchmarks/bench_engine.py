@@ -338,8 +338,8 @@ def report(results: Sequence[CaseResult], num_blocks: int) -> None:
         ratio = r.median_s / base.median_s if base else float("nan")
         goal = GOALS.get(r.case.key)
         verdict = "" if goal is None else f"<= {goal:.2f} {'met' if ratio <= goal else 'NOT met'}"
-        if base is not None and not (r.clean and base.clean):
-            verdict += " (disturbed: no clean steps)"
+        if goal is not None and base is not None and not (r.clean and base.clean):
+            verdict = f"<= {goal:.2f} not judged: no clean steps"
         slots = "-" if r.num_slots is None else f"{r.num_slots}/{num_blocks}"
         clean = f"{len(r.clean)}/{len(r.step_s)}"
         print(

@@ -388,7 +388,10 @@ class _PagedCall(torch.autograd.Function):
             with engine._resident(site, backward=False, grad=True) as (slot, leaves):
                 inputs = _detached(tensors)
                 slot_storage = slot.untyped_storage().data_ptr()
-                ctx.slot_now = None
+                # unpack reads the slot through a holder, not ctx: ctx -> graph -> hook -> ctx would be a
+                # cycle through C++ that the garbage collector cannot see (a forward without backward leaked).
+                holder: list[Tensor] = []
+                ctx.slot_holder = holder
 
                 def pack(t: Tensor) -> Any:
                     if t.device == slot.device and t.untyped_storage().data_ptr() == slot_storage:
@@ -397,7 +400,7 @@ class _PagedCall(torch.autograd.Function):
 
                 def unpack(saved: Any) -> Tensor:
                     if isinstance(saved, _SlotRef):
-                        return ctx.slot_now.as_strided(saved.size, saved.stride, saved.offset)
+                        return holder[0].as_strided(saved.size, saved.stride, saved.offset)
                     return saved
 
                 with (
@@ -433,7 +436,7 @@ class _PagedCall(torch.autograd.Function):
                 ):
                     outputs = call.run(inputs)
             else:
-                ctx.slot_now = slot
+                ctx.slot_holder[:] = [slot]
                 outputs, inputs, leaves = ctx.graph
             pairs = [
                 (o, g)
