@@ -1,25 +1,28 @@
 """The disk tier (``offload_dir``) against the disk it runs on, plain Lightning and DeepSpeed.
 
-Three parts, each side by side in one process (the DeepSpeed peer in a child process), ratios printed:
+Four parts (``--parts``), each side by side in one process (the DeepSpeed peer in a child process),
+ratios printed. The disk's sequential O_DIRECT GB/s (fio, else dd) is measured in each part just
+before and just after its runs, in the same folder as the store.
 
-- ``efficiency``: an I/O-bound run (a Llama of 16 layers of the 170M shape with a vocabulary of 8192,
-  0.89 GB fp32; batch 1 x 16 tokens; ``max_cpu_gb`` = a quarter of weights + Adam state; a slot
-  budget of 4 blocks). The store's read and write GB/s are set against the sequential O_DIRECT
-  GB/s of the same disk (fio, else dd), measured just before and just after. Then a short sweep of
-  ``io_threads`` x ``io_chunk_mb``: the raw I/O engine (``BlockFile`` in a thread pool, the store's
-  own I/O path) over the whole grid, and training runs along each axis.
 - ``overlap``: the ~170M Llama, fp32, batch 1 x ``--seq``: plain Lightning; megatrain's host tier
-  with the whole model in slots (compute-only); and the disk tier with ``max_cpu_gb`` below
-  weights + Adam state and a slot budget of 2 blocks, without and with activation checkpointing.
-  Ratios: disk step / plain step, and disk step / max(compute-only step, the disk time its bytes
-  need at the measured GB/s).
+  with the whole model in slots (compute-only) and with 2 slots; the disk tier with ``max_cpu_gb``
+  below weights + Adam state and a slot budget of 2 blocks, without and with activation
+  checkpointing; ``--repeats`` round-robin passes. Ratios: disk step / plain step, and disk step /
+  max(compute-only step, the disk time its bytes need at the measured GB/s).
+- ``efficiency``: an I/O-bound run (a Llama of 16 layers of the 170M shape with a vocabulary of
+  8192, 0.89 GB fp32; batch 1 x 16 tokens; ``max_cpu_gb`` = a quarter of weights + Adam state; a
+  slot budget of 4 blocks): the store's read and write GB/s against the disk's, and its traffic by
+  file against the least it could move.
+- ``sweep``: ``io_threads`` x ``io_chunk_mb`` on that model: the raw I/O path (``BlockFile`` in a
+  thread pool, as the store issues it) over the whole grid, and training runs along each axis.
 - ``peer``: DeepSpeed ZeRO-3 with parameters and optimizer state on NVMe (``ds_peer.py``, same
   weights and batches) against the overlap part's disk-tier run.
 
 Store I/O is timed by wrapping ``BlockFile.read``/``write`` in this process (the engine is not
 changed): the time during which at least one read (write, either) is in flight gives the rate
 "while active"; ``stats.disk_read_s`` sums the I/O threads' times, so bytes / it is a per-thread
-rate. ``python benchmarks/bench_disk.py --quick`` is a smoke run of all parts on small models.
+rate. Steps during which other processes used the CPU are set aside as ``bench_engine`` does.
+``python benchmarks/bench_disk.py --quick`` is a smoke run of all parts on small models.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ STATE_BYTES = 12  # bytes per parameter of weights + Adam m + v (fp32): the stor
 DEFAULT_THREADS, DEFAULT_CHUNK_MB = 4, 8  # MegaTrainStrategy's io_threads, io_chunk_mb
 EFFICIENCY_SEQ, EFFICIENCY_SLOTS = 16, 4  # few tokens: I/O-bound; slots: a GPU's few blocks
 OVERLAP_SLOTS = 2
+PARTS = ("overlap", "efficiency", "sweep", "peer")
 
 
 def verdict(ok: bool) -> str:
@@ -542,14 +546,15 @@ def train_sweep(
     chunks: Sequence[int],
 ) -> None:
     """I/O-bound steps along each axis (``io_threads`` at the default chunk, ``io_chunk_mb`` at the
-    default thread count), ``repeats`` round-robin passes. Two warm-up steps per run: the first step
-    that reads optimizer state from disk is the third (before that, m and v are zeros, never written)."""
+    default thread count), ``repeats`` passes, alternately forward and backward. Two warm-up steps
+    per run: the first step that reads optimizer state from disk is the third (before that, m and v
+    are zeros, never written)."""
     trials = [(t, DEFAULT_CHUNK_MB) for t in threads_list]
     trials += [(DEFAULT_THREADS, c) for c in chunks if c != DEFAULT_CHUNK_MB]
     runs: dict[tuple[int, int], list[Run]] = {trial: [] for trial in trials}
     trace = IOTrace()
-    for _ in range(repeats):
-        for threads, chunk in trials:
+    for repeat in range(repeats):
+        for threads, chunk in trials if repeat % 2 == 0 else reversed(trials):
             strategy = megatrain(
                 model, EFFICIENCY_SLOTS, directory, cache, io_threads=threads, io_chunk_mb=chunk
             )
@@ -573,12 +578,17 @@ def train_sweep(
     print("(read GB, write GB: store traffic per step; disk time/wall: at the disk reference's GB/s)")
 
 
+def efficiency_model(quick: bool) -> tuple[PretrainedConfig, PreTrainedModel, float]:
+    """The I/O-bound run's config, model and host cache (a quarter of weights + Adam state)."""
+    config = efficiency_config(quick)
+    model = build_model(config)
+    return config, model, store_bytes(model) / 4
+
+
 def efficiency(args: argparse.Namespace, directory: str) -> None:
     print("\n== disk efficiency: an I/O-bound run against the disk ==", flush=True)
-    config = efficiency_config(args.quick)
-    model = build_model(config)
-    _, largest, num_blocks = block_bytes(model)
-    cache = store_bytes(model) / 4
+    config, model, cache = efficiency_model(args.quick)
+    _, _, num_blocks = block_bytes(model)
     warmup, steps = (2, 1) if args.quick else (2, 4)  # the third step is the first to read m and v
     print(
         f"model: {describe_model(model, 1, EFFICIENCY_SEQ)}; max_cpu_gb {cache / GB:.3f} (a quarter of "
@@ -592,7 +602,6 @@ def efficiency(args: argparse.Namespace, directory: str) -> None:
     strategy = megatrain(model, EFFICIENCY_SLOTS, directory, cache)
     run = timed_run("disk tier, I/O-bound", model, batches, warmup, strategy, IOTrace())
     reference.measure(directory, args.disk_test_bytes, "after")
-    disk = reference.speed
     print(f"\ndisk reference: {reference.describe()}")
     print(
         f"step median {run.median_s:.3f} s ({seconds(run.step_s)}; {len(run.clean)} clean, other processes "
@@ -605,7 +614,15 @@ def efficiency(args: argparse.Namespace, directory: str) -> None:
     traffic_table(run, num_blocks)
     engine_time(run)
 
-    print(f"\n-- sweep: the I/O engine alone (BlockFile in a thread pool), {largest / 1e6:.0f} MB regions --")
+
+def sweep(args: argparse.Namespace, directory: str) -> None:
+    print("\n== sweep: io_threads x io_chunk_mb, on the I/O-bound run's model ==", flush=True)
+    config, model, cache = efficiency_model(args.quick)
+    _, largest, _ = block_bytes(model)
+    reference = DiskReference()
+    reference.measure(directory, args.disk_test_bytes, "before")
+    disk = reference.speed
+    print(f"\n-- the I/O engine alone (BlockFile in a thread pool), {largest / 1e6:.0f} MB regions --")
     threads_list, chunks = args.sweep_threads, args.sweep_chunks
     raw = raw_sweep(directory, largest, args.sweep_bytes, args.raw_passes, threads_list, chunks)
     print(f"GB/s write / read, median of {args.raw_passes} pass(es)")
@@ -616,13 +633,13 @@ def efficiency(args: argparse.Namespace, directory: str) -> None:
         at = raw[DEFAULT_THREADS, DEFAULT_CHUNK_MB]
         print(
             f"at the defaults ({DEFAULT_THREADS} threads, {DEFAULT_CHUNK_MB} MB): write "
-            f"{at.write / disk.write:.2f}, read {at.read / disk.read:.2f} of the disk reference"
+            f"{at.write / disk.write:.2f}, read {at.read / disk.read:.2f} of the disk reference just before"
         )
-    print("\n-- sweep: I/O-bound training steps, one option at a time --", flush=True)
-    sweep_batches = batches[: 2 + args.sweep_steps + 1]
-    train_sweep(model, sweep_batches, directory, cache, args.sweep_repeats, disk, threads_list, chunks)
-    reference.measure(directory, args.disk_test_bytes, "after the sweeps")
-    print(f"disk reference over the whole part: {reference.describe()}")
+    print("\n-- I/O-bound training steps, one option at a time --", flush=True)
+    batches = make_batches(config.vocab_size, 2 + args.sweep_steps + 1, 1, EFFICIENCY_SEQ)
+    train_sweep(model, batches, directory, cache, args.sweep_repeats, disk, threads_list, chunks)
+    reference.measure(directory, args.disk_test_bytes, "after")
+    print(f"disk reference over the sweep: {reference.describe()}")
 
 
 # -- part 2: overlap --
@@ -770,7 +787,9 @@ def peer(args: argparse.Namespace, directory: str, ours: Run | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="efficiency,overlap,peer", help="comma-separated parts to run")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)}"
+    )
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="a folder on the disk to measure")
     parser.add_argument("--quick", action="store_true", help="small models and files: a smoke run")
     parser.add_argument("--seq", type=int, default=1024, help="overlap/peer: tokens per sequence")
@@ -783,21 +802,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--disk-test-gb", type=float, default=2.0, help="size of the fio/dd test file")
     parser.add_argument("--sweep-gb", type=float, default=1.0, help="bytes each raw I/O sweep trial moves")
-    parser.add_argument("--sweep-steps", type=int, default=2, help="timed steps of each training sweep run")
+    parser.add_argument("--sweep-steps", type=int, default=1, help="timed steps of each training sweep run")
     parser.add_argument("--raw-passes", type=int, default=2, help="passes of the raw I/O sweep")
     parser.add_argument(
-        "--sweep-repeats", type=int, default=1, help="round-robin passes of the training sweep"
+        "--sweep-repeats", type=int, default=2, help="round-robin passes of the training sweep"
     )
     parser.add_argument("--sweep-threads", default="1,2,4,8", help="io_threads values to sweep")
     parser.add_argument("--sweep-chunks", default="1,4,8,32", help="io_chunk_mb values to sweep")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
-    if unknown := set(parts) - {"efficiency", "overlap", "peer"}:
+    if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}")
     if args.quick:
         args.seq, args.steps, args.warmup, args.repeats = min(args.seq, 64), 2, 1, 1
-        args.disk_test_gb, args.sweep_gb, args.raw_passes, args.sweep_steps = 0.125, 0.03125, 1, 1
+        args.disk_test_gb, args.sweep_gb, args.raw_passes, args.sweep_repeats = 0.125, 0.03125, 1, 1
         args.sweep_threads, args.sweep_chunks = "1,4", "1,8"
     args.sweep_threads = [int(v) for v in args.sweep_threads.split(",")]
     args.sweep_chunks = [int(v) for v in args.sweep_chunks.split(",")]
@@ -816,6 +835,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ours = overlap(args, directory) if "overlap" in parts else None
         if "efficiency" in parts:
             efficiency(args, directory)
+        if "sweep" in parts:
+            sweep(args, directory)
         if "peer" in parts:
             peer(args, directory, ours)
     finally:
