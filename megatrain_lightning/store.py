@@ -108,6 +108,8 @@ class HostStore:
                 buf = self._buffers.get(key)
                 if buf is None:
                     dtype, numel = self.layout(block, kind)
-                    buf = aligned_empty(numel, dtype, self.pin_memory).zero_()
+                    # Only weights cross to the device; gradients and optimizer state stay pageable.
+                    pinned = self.pin_memory and kind == "param"
+                    buf = aligned_empty(numel, dtype, pinned).zero_()
                     self._buffers[key] = buf
         return buf
