@@ -3,17 +3,20 @@ holds a bounded cache of them (``max_cpu_gb``).
 
 Files: one preallocated file per kind (``param.bin``, ``exp_avg.bin``, ...) with each block at a
 page-aligned offset, a ``manifest.json`` describing the layout, and a lock so two runs cannot
-share the folder. Cache: entries are pinned while in use; eviction takes the entry whose block is
-needed farthest in the future by the trace (Belady), never a pinned one, and writes dirty entries
-back first. ``hint`` (the trace's future) loads ahead in that order as far as the cache allows
-without evicting anything needed sooner. Updated blocks are written back as soon as their update
-is done; consumed gradients are dropped without being written.
+share the folder. Cache: regions of one host buffer (:mod:`megatrain_lightning.arena`), one per
+(block, kind), pinned while in use; eviction frees the region whose contents are needed farthest in
+the future (Belady: ``hint`` ranks each block's weights, gradients and optimizer state by the
+trace's next use of that kind, and ``claim`` puts a submitted update's first), never a pinned one,
+and writes dirty ones back first. ``hint`` also loads ahead in that order as far as the cache
+allows without evicting anything needed sooner. Updated blocks are written back as soon as their
+update is done; consumed gradients are dropped without being written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import shutil
@@ -22,15 +25,15 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
+from megatrain_lightning.arena import Arena, pages
 from megatrain_lightning.blocks import Block
 from megatrain_lightning.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import ALIGNMENT, HostStore, aligned_empty
+from megatrain_lightning.store import ALIGNMENT, HostStore
 from megatrain_lightning.timeline import TIMELINE
 
 STORE_DIRNAME = "megatrain_store"
@@ -38,18 +41,23 @@ _NEVER = float("inf")
 _STALL_TIMEOUT_S = 120.0
 
 
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
 @dataclass(eq=False)
 class _Entry:
-    raw: Tensor  # page-aligned uint8, whole pages: what the I/O reads and writes
+    offset: int  # where its region starts in the cache arena
+    raw: Tensor  # the region: page-aligned uint8, whole pages, what the I/O reads and writes
     buf: Tensor  # the typed view callers get
-    pins: int = 0
+    holders: list[int] = field(default_factory=list)  # one thread id per pin
     dirty: bool = False
     ready: Future | None = None  # the load from disk
     writing: Future | None = None  # a write-back in flight
+
+    @property
+    def size(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def pins(self) -> int:
+        return len(self.holders)
 
     @property
     def busy(self) -> bool:
@@ -71,16 +79,17 @@ class DiskStore(HostStore):
         """``kinds`` get their files now; any other kind on its first write-back."""
         super().__init__(blocks, pin_memory, stats)
         self.directory = os.path.join(offload_dir, STORE_DIRNAME)
-        self.cache_bytes = cache_bytes
         self.io = io or IOConfig()
         os.makedirs(self.directory, exist_ok=True)
         self._lock_fd = _lock(self.directory)
         self._cond = threading.Condition()
+        self._arena = Arena(cache_bytes, pin_memory)
         self._entries: dict[tuple[int, str], _Entry] = {}
         self._on_disk: set[tuple[int, str]] = set()  # regions holding data (others read as zeros)
-        self._pool: dict[int, list[tuple[Tensor, Tensor]]] = {}  # free buffers by byte size
-        self._allocated = 0  # bytes of cache buffers, in use or pooled
-        self._future: dict[int, int] = {}  # block -> rank of its next predicted use
+        self._future: dict[tuple[int, str], int] = {}  # (block, kind) -> rank of its next predicted use
+        # Needed before anything the trace predicts (submitted updates), in order of submission.
+        self._claimed: dict[tuple[int, str], float] = {}
+        self._claims = itertools.count()
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
         self._workers = ThreadPoolExecutor(self.io.threads, thread_name_prefix="megatrain-io")
         self._files: dict[str, BlockFile] = {}
@@ -90,25 +99,60 @@ class DiskStore(HostStore):
         self._write_manifest()
         self._cleanup = weakref.finalize(self, _remove, self._files, self._lock_fd, self.directory, keep)
 
+    @property
+    def cache_bytes(self) -> int:
+        return self._arena.capacity
+
+    def resize_cache(self, cache_bytes: int) -> None:
+        """A new host-cache budget (a later strategy over the same model): everything cached is written
+        back and dropped."""
+        if cache_bytes // ALIGNMENT * ALIGNMENT == self._arena.capacity:
+            return
+        self.flush()
+        with self._cond:
+            if any(entry.pins for entry in self._entries.values()):
+                raise RuntimeError("megatrain: the host cache cannot be resized while blocks are in use")
+            self._entries.clear()
+            self._arena = Arena(cache_bytes, self.pin_memory)
+
     # -- the store API --
 
     @contextlib.contextmanager
     def pinned(self, block: int, kind: str, write: bool = False) -> Iterator[Tensor]:
-        key = (block, kind)
+        with self.pinned_all(block, (kind,), write) as flats:
+            yield flats[kind]
+
+    @contextlib.contextmanager
+    def pinned_all(
+        self, block: int, kinds: Iterable[str], write: bool = False
+    ) -> Iterator[dict[str, Tensor]]:
+        """Pins all of ``kinds`` at once: a thread never holds some while it waits for room for the
+        others (two updates could each hold what the other needs). What is pinned is needed now:
+        it ranks after the claims made earlier and before everything the trace predicts."""
+        keys = [(block, kind) for kind in kinds]
+        me = threading.get_ident()
         with self._cond:
             if self._failure is not None:
                 raise self._failure
-            entry = self._entries.get(key) or self._admit(key, demand=True)
-            entry.pins += 1
+            for key in keys:
+                self._claimed.setdefault(key, self._claim_rank())
+            while missing := [key for key in keys if key not in self._entries]:
+                self._admit(missing[0], demand=True, keep=frozenset(keys))
+            entries = [self._entries[key] for key in keys]
+            for key, entry in zip(keys, entries, strict=True):
+                entry.holders.append(me)
+                self._claimed.pop(key, None)
         try:
-            for future in (entry.ready, entry.writing if write else None):
-                if future is not None:
-                    future.result()  # a failed load or write-back raises here
-            yield entry.buf
+            for entry in entries:
+                for future in (entry.ready, entry.writing if write else None):
+                    if future is not None:
+                        future.result()  # a failed load or write-back raises here
+            yield {kind: entry.buf for (_, kind), entry in zip(keys, entries, strict=True)}
         finally:
             with self._cond:
-                entry.pins -= 1
-                entry.dirty |= write
+                for entry in entries:
+                    entry.holders.remove(me)
+                    entry.dirty |= write
                 self._cond.notify_all()
 
     def read(self, block: int, kind: str) -> Tensor:
@@ -133,25 +177,33 @@ class DiskStore(HostStore):
                 entry.dirty = False
             self._cond.notify_all()
 
-    def hint(self, future: list[tuple[int, bool]]) -> None:
-        """Rank blocks by next predicted use and load ahead in that order while the cache allows."""
+    def hint(self, future: list[tuple[int, tuple[str, ...]]]) -> None:
+        """Rank every (block, kind) by its next predicted use; load ahead in that order while the cache
+        has room that nothing needed sooner occupies."""
         with self._cond:
             self._future = {}
-            for rank, (block, _) in enumerate(future):
-                self._future.setdefault(block, rank)
-            for rank, (block, backward) in enumerate(future):
-                if self._future[block] != rank:
+            for rank, (block, kinds) in enumerate(future):
+                for kind in kinds:
+                    self._future.setdefault((block, kind), rank)
+            for key in sorted(self._future, key=self._future.get):
+                if key in self._entries or key not in self._on_disk:
                     continue
-                for kind in ("param", "exp_avg", "exp_avg_sq") if backward else ("param",):
-                    key = (block, kind)
-                    if key in self._entries or key not in self._on_disk:
-                        continue
-                    if self._admit(key, demand=False) is None:
-                        return
+                if self._admit(key, demand=False) is None:
+                    return
+
+    def claim(self, block: int, kinds: Iterable[str]) -> None:
+        """``kinds`` of ``block`` are pinned next, before anything the trace predicts (a submitted update):
+        load them now and keep them until then."""
+        with self._cond:
+            for kind in kinds:
+                key = (block, kind)
+                self._claimed[key] = self._claim_rank()
+                if key not in self._entries and key in self._on_disk:
+                    self._admit(key, demand=False)
 
     def nbytes(self, *kinds: str) -> int:
         with self._cond:
-            return self._allocated
+            return self._arena.used
 
     def flush(self) -> None:
         """Write every dirty entry back and wait until all writes are on disk."""
@@ -170,76 +222,125 @@ class DiskStore(HostStore):
 
     # -- cache internals (lock held) --
 
-    def _admit(self, key: tuple[int, str], demand: bool) -> _Entry | None:
+    def _admit(
+        self, key: tuple[int, str], demand: bool, keep: frozenset[tuple[int, str]] = frozenset()
+    ) -> _Entry | None:
         """A cache entry for ``key``, loading it from disk if it has data there. For a prefetch
-        (``demand=False``) only if nothing needed sooner has to leave; ``None`` otherwise."""
+        (``demand=False``) only if nothing needed sooner has to leave; ``None`` otherwise. ``keep``: entries
+        that must stay (the others a ``pinned_all`` is gathering)."""
         dtype, numel = self.layout(*key)
         nbytes = numel * dtype.itemsize
-        size = _pages(nbytes)
-        if not self._make_room(size, self._rank(key[0]), demand):
+        size = pages(nbytes)
+        offset = self._make_room(size, self._rank(key), demand, keep)
+        if offset is None:
             return None
-        pooled = self._pool.get(size)
-        if pooled:
-            raw, _ = pooled.pop()
-        else:
-            raw = aligned_empty(size, torch.uint8, self.pin_memory)
-            self._allocated += size
-            self.stats.peak_host_cache_bytes = max(self.stats.peak_host_cache_bytes, self._allocated)
-        entry = _Entry(raw, raw[:nbytes].view(dtype))
+        if key in self._entries:  # admitted by another thread while this one waited for room
+            self._arena.release(offset, size)
+            return self._entries[key]
+        raw = self._arena.region(offset, size)
+        entry = _Entry(offset, raw, raw[:nbytes].view(dtype))
         if key in self._on_disk:
             entry.ready = self._workers.submit(self._read, key, entry)
         else:
             entry.raw.zero_()
         self._entries[key] = entry
-        self.stats.host_bytes = self._allocated
+        self.stats.host_bytes = self._arena.used
+        self.stats.peak_host_cache_bytes = max(self.stats.peak_host_cache_bytes, self._arena.used)
         return entry
 
-    def _rank(self, block: int) -> float:
-        return self._future.get(block, _NEVER)
+    def _rank(self, key: tuple[int, str]) -> float:
+        claimed = self._claimed.get(key)
+        return claimed if claimed is not None else self._future.get(key, _NEVER)
 
-    def _make_room(self, size: int, rank: float, demand: bool) -> bool:
+    def _claim_rank(self) -> int:
+        return next(self._claims) - (1 << 62)  # below every trace position, in order of claiming (exact ints)
+
+    def _make_room(
+        self, size: int, rank: float, demand: bool, keep: frozenset[tuple[int, str]]
+    ) -> int | None:
+        """The offset of a free region of ``size`` bytes, evicting (Belady) to make one, but only what is
+        needed later than ``rank``. A prefetch gives up (``None``) rather than wait; a demand waits
+        while other threads hold or move entries, and otherwise takes the least bad region."""
         deadline = time.monotonic() + _STALL_TIMEOUT_S
         while True:
-            if size in self._pool and self._pool[size]:
-                return True
-            if self._allocated + size <= self.cache_bytes:
-                return True
-            if self._drop_pooled(size):
-                continue
-            # Belady: the idle entry whose block is needed farthest in the future; a prefetch may
-            # only take entries needed later than what it loads.
-            idle = [
-                (k, e)
-                for k, e in self._entries.items()
-                if not e.pins and not e.busy and (demand or self._rank(k[0]) > rank)
-            ]
-            idle.sort(key=lambda item: self._rank(item[0][0]), reverse=True)
-            clean = [(k, e) for k, e in idle if not e.dirty]
-            if clean:
-                self._evict(*clean[0])
-                continue
-            for key, entry in idle[:2]:
-                self._write_back(key, entry)  # dirty ones become evictable once written
+            offset = self._arena.allocate(size)
+            if offset is not None:
+                return offset
+            window = self._best_window(size, rank, keep)
+            if window is None and demand and not self._others_active():
+                window = self._best_window(size, -_NEVER, keep)
+                if window is None:
+                    raise self._too_small()
+            if window is not None:
+                start, victims = window
+                dirty = [(k, e) for k, e in victims if e.dirty]
+                if not dirty:
+                    for victim in victims:
+                        self._evict(*victim)
+                    self._arena.allocate_at(start, size)
+                    return start
+                for victim in dirty:
+                    self._write_back(*victim)  # evictable once written
             if not demand:
-                return False
+                return None
             if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                raise MemoryError(
-                    f"megatrain: the host cache (max_cpu_gb={self.cache_bytes / 1e9:.3g}) is too small for "
-                    "the blocks in use at once; raise `max_cpu_gb`."
-                )
+                raise self._too_small()
 
-    def _drop_pooled(self, size: int) -> bool:
-        """Free a pooled buffer of another size to make room for ``size``."""
-        for other, buffers in self._pool.items():
-            if other != size and buffers:
-                buffers.pop()
-                self._allocated -= other
-                return True
-        return False
+    def _too_small(self) -> MemoryError:
+        return MemoryError(
+            f"megatrain: the host cache (max_cpu_gb={self.cache_bytes / 1e9:.3g}) is too small for the "
+            "blocks in use at once; raise `max_cpu_gb`."
+        )
+
+    def _others_active(self) -> bool:
+        """Whether an entry is in I/O or pinned by another thread (waiting may free room)."""
+        me = threading.get_ident()
+        return any(e.busy or any(h != me for h in e.holders) for e in self._entries.values())
+
+    def _best_window(
+        self, size: int, rank: float, keep: frozenset[tuple[int, str]]
+    ) -> tuple[int, list[tuple[tuple[int, str], _Entry]]] | None:
+        """The ``size``-byte range of the arena whose eviction hurts least: all of its entries idle and
+        needed later than ``rank``, the soonest needed of them as late as possible (Belady); then
+        clean, then small."""
+        segments = sorted(
+            [(start, end, None) for start, end in self._arena.gaps()]
+            + [(e.offset, e.offset + e.size, (k, e)) for k, e in self._entries.items() if e.size],
+            key=lambda segment: segment[0],
+        )
+        best, best_score = None, None
+        for i, (start, _, _) in enumerate(segments):
+            if start + size > self._arena.capacity:
+                break
+            victims = self._evictable_from(segments[i:], start + size, rank, keep)
+            if victims is None:
+                continue
+            soonest = min((self._rank(k) for k, _ in victims), default=_NEVER)
+            clean = not any(e.dirty for _, e in victims)
+            score = (soonest, clean, -sum(e.size for _, e in victims))
+            if best_score is None or score > best_score:
+                best, best_score = (start, victims), score
+        return best
+
+    def _evictable_from(
+        self, segments: list, end: int, rank: float, keep: frozenset[tuple[int, str]]
+    ) -> list[tuple[tuple[int, str], _Entry]] | None:
+        """The entries among ``segments`` that start before ``end``, or ``None`` if one may not leave."""
+        victims = []
+        for start, _, item in segments:
+            if start >= end:
+                break
+            if item is None:
+                continue
+            key, entry = item
+            if entry.pins or entry.busy or key in keep or self._rank(key) <= rank:
+                return None
+            victims.append(item)
+        return victims
 
     def _evict(self, key: tuple[int, str], entry: _Entry) -> None:
         del self._entries[key]
-        self._pool.setdefault(entry.raw.numel(), []).append((entry.raw, entry.buf))
+        self._arena.release(entry.offset, entry.size)
 
     def _write_back(self, key: tuple[int, str], entry: _Entry) -> None:
         if entry.dirty and not entry.busy:
@@ -295,7 +396,7 @@ class DiskStore(HostStore):
             for block in range(len(self.blocks)):
                 dtype, numel = self.layout(block, kind)
                 offsets.append(end)
-                end += _pages(numel * dtype.itemsize)
+                end += pages(numel * dtype.itemsize)
             path = os.path.join(self.directory, f"{kind}.bin")
             self._files[kind] = BlockFile(path, max(end, ALIGNMENT), self.io)
             self._offsets[kind] = offsets
@@ -345,4 +446,4 @@ def _remove(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: boo
 
 def region_bytes(blocks: list[Block]) -> int:
     """Disk bytes of one fp32 kind (e.g. the master weights) for ``blocks``."""
-    return sum(_pages(4 * b.numel) for b in blocks)
+    return sum(pages(4 * b.numel) for b in blocks)

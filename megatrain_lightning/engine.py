@@ -33,6 +33,7 @@ from megatrain_lightning.safetensors_io import read_into
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
 from megatrain_lightning.timeline import TIMELINE
+from megatrain_lightning.trace import UpdateCadence
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Engine:
         self.store = config.make_store(blocks, self.stats)
         self.grads = HostGrads(self.store, config.device, self.stats)
         self.optimizer: Any = None  # CPUAdamW once fitting
+        self._cadence = UpdateCadence()
         # Qualified parameter name (every alias of a tied weight) -> (block, index in block).
         self.locations: dict[str, tuple[int, int]] = {}
         self._meta: list[list[nn.Parameter]] = []
@@ -117,7 +119,7 @@ class Engine:
         self.wait_all()
         self.pager.close()
         if isinstance(self.store, DiskStore):
-            self.store.cache_bytes = config.cache_bytes
+            self.store.resize_cache(config.cache_bytes)
         self.config = config
         self.pager = self._make_pager(config)
 
@@ -130,6 +132,7 @@ class Engine:
             config.prefetch_depth,
             self._wait_for_update,
             self.stats,
+            self._access_kinds,
         )
 
     # -- taking the model over --
@@ -253,6 +256,8 @@ class Engine:
 
     def begin_pass(self, kind: str) -> None:
         self.grads.flush()
+        if kind == "train":
+            self._cadence.record(self.optimizer is not None and self.optimizer.stepping)
         self.pager.begin_pass(kind)
         self.stats.trace_deviations = self.pager.trace.deviations
 
@@ -264,6 +269,16 @@ class Engine:
 
     def update_host_bytes(self) -> None:
         self.stats.host_bytes = self.store.nbytes()
+
+    def _access_kinds(self, backward: bool, next_pass: bool) -> tuple[str, ...]:
+        """What an access uses from the store: weights; in backward also the gradient accumulator and,
+        in a pass that ends in an update, the optimizer state."""
+        if not backward:
+            return ("param",)
+        if self.optimizer is None:
+            return ("param", "grad")
+        updates = self._cadence.next_updates() if next_pass else self.optimizer.stepping
+        return ("param", "grad", *self.optimizer.state_kinds) if updates else ("param", "grad")
 
     def _wait_for_update(self, block: int) -> None:
         if self.optimizer is not None:

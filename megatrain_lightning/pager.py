@@ -52,7 +52,10 @@ class Pager:
         prefetch_depth: int,
         wait_for_update: Callable[[int], None],
         stats: EngineStats,
+        access_kinds: Callable[[bool, bool], tuple[str, ...]] = lambda backward, next_pass: ("param",),
     ) -> None:
+        """``access_kinds(backward, next_pass)``: the store kinds a forward/backward access of this or the
+        next pass uses (the store ranks and loads ahead by them)."""
         self.store = store
         self.device = device
         self.dtype = dtype
@@ -60,6 +63,7 @@ class Pager:
         self.trace = Trace()
         self.stats = stats
         self._wait_for_update = wait_for_update
+        self._access_kinds = access_kinds
         slot_numel = max(b.numel for b in store.blocks)
         self._slots = [_Slot(torch.empty(slot_numel, dtype=dtype, device=device)) for _ in range(num_slots)]
         self._resident: dict[int, _Slot] = {}
@@ -156,7 +160,11 @@ class Pager:
             self._cond.wait()
 
     def _prefetch_ahead(self) -> None:
-        self.store.hint(self.trace.future())
+        this_pass, next_pass = self.trace.future()
+        self.store.hint(
+            [(block, self._access_kinds(backward, False)) for block, backward in this_pass]
+            + [(block, self._access_kinds(backward, True)) for block, backward in next_pass]
+        )
         uses = self._next_uses()
         wanted = [b for b in uses if b not in self._resident][: self.prefetch_depth]
         for block in sorted(wanted, key=uses.get):

@@ -75,6 +75,14 @@ class HostStore:
         """The flat buffer of ``kind`` for ``block`` (zeros until first written), held for the context."""
         yield self._buffer(block, kind)
 
+    @contextlib.contextmanager
+    def pinned_all(
+        self, block: int, kinds: Iterable[str], write: bool = False
+    ) -> Iterator[dict[str, Tensor]]:
+        """``pinned`` for several kinds of ``block`` at once (what an update uses), by kind."""
+        with contextlib.ExitStack() as stack:
+            yield {kind: stack.enter_context(self.pinned(block, kind, write)) for kind in kinds}
+
     def read(self, block: int, kind: str) -> Tensor:
         """The current contents, for callers that keep them (state dicts): the buffer itself here."""
         return self._buffer(block, kind)
@@ -85,8 +93,12 @@ class HostStore:
     def discard(self, block: int, kind: str) -> None:
         """The contents of ``kind`` are no longer needed (a consumed gradient): kept allocated here."""
 
-    def hint(self, future: list[tuple[int, bool]]) -> None:
-        """The predicted order of coming block accesses; a tier with a cache can load ahead."""
+    def hint(self, future: list[tuple[int, tuple[str, ...]]]) -> None:
+        """The predicted coming accesses, in order, each a block and the kinds it will use; a tier
+        with a cache ranks what it holds by them and loads ahead."""
+
+    def claim(self, block: int, kinds: Iterable[str]) -> None:
+        """``kinds`` of ``block`` are pinned next, ahead of every predicted access (a submitted update)."""
 
     def nbytes(self, *kinds: str) -> int:
         """Bytes of host memory the store holds (for ``kinds``, or all)."""

@@ -48,10 +48,32 @@ class Trace:
         """Predicted accesses after the current one (empty when not following)."""
         return self._replay[self._pos + 1 :] if self.following else []
 
-    def future(self) -> list[Access]:
-        """The predicted rest of this pass, then the whole next one."""
-        return self.upcoming() + self._replay if self.following else []
+    def future(self) -> tuple[list[Access], list[Access]]:
+        """The rest of this pass from the current access on, and the whole next pass, as predicted
+        (only the current access when not following)."""
+        if self.following:
+            return self._replay[max(self._pos, 0) :], self._replay
+        return self._current.get(self._kind, [])[-1:], []
 
     def is_last_use(self, block: int) -> bool:
         """True when the current access is, by the prediction, this pass's last use of ``block``."""
         return self.following and self._last_use.get(block) == self._pos
+
+
+class UpdateCadence:
+    """Predicts whether the next training pass ends in an optimizer update (gradient accumulation
+    updates every k-th pass) from the spacing of the last two updates."""
+
+    def __init__(self) -> None:
+        self._since_update = 0  # passes since the last update pass, counting the current one
+        self._every = 1
+
+    def record(self, updates: bool) -> None:
+        """A training pass begins; ``updates``: it ends in an optimizer update."""
+        if updates:
+            self._every, self._since_update = self._since_update + 1, 0
+        else:
+            self._since_update += 1
+
+    def next_updates(self) -> bool:
+        return self._since_update + 1 >= self._every

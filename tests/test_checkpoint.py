@@ -125,7 +125,9 @@ def test_corrupt_or_foreign_checkpoints_are_refused_before_loading(tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     module = CausalLMModule(tiny_model("gpt2"), lr=1e-3)
     with pytest.raises(CheckpointError, match="checksum"):
-        _trainer(max_steps=2).fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=path)
+        _trainer(max_steps=2, default_root_dir=tmp_path).fit(
+            module, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=path
+        )
     _, _, path = _fit_and_save(tmp_path / "b", steps=1)
     os.truncate(shard.replace(str(tmp_path), str(tmp_path / "b")), 100)
     with pytest.raises(CheckpointError, match="truncated"):
@@ -133,7 +135,9 @@ def test_corrupt_or_foreign_checkpoints_are_refused_before_loading(tmp_path):
     _, _, path = _fit_and_save(tmp_path / "c", steps=1)
     other = CausalLMModule(tiny_model("gpt2", n_layer=3), lr=1e-3)
     with pytest.raises(CheckpointError, match="other parameters or shapes"):
-        _trainer(max_steps=2).fit(other, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=path)
+        _trainer(max_steps=2, default_root_dir=tmp_path).fit(
+            other, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=path
+        )
 
 
 def test_loading_never_unpickles_code(tmp_path):
@@ -269,7 +273,7 @@ def test_sigkill_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert not os.path.exists(tmp_path / "next.ckpt")  # only the temporary directory exists
     CheckpointDir.verify(tmp_path / "good.ckpt")
     module = CausalLMModule(tiny_model("llama"), lr=1e-3)
-    trainer = _trainer(max_steps=3)
+    trainer = _trainer(max_steps=3, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=tmp_path / "good.ckpt")
     assert trainer.global_step == 3
 

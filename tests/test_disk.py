@@ -14,9 +14,10 @@ from conftest import assert_same_training, fit, peak_rss_script, tiny_model
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.blocks import Block, discover_blocks
 from megatrain_lightning.disk import STORE_DIRNAME, DiskStore
 from megatrain_lightning.io import BlockFile, StoreIOError
+from megatrain_lightning.store import ALIGNMENT
 
 CASES = [
     # arch, activation checkpointing, accumulate_grad_batches, gradient clipping
@@ -170,3 +171,48 @@ def test_a_model_three_times_the_cache_trains_within_the_memory_bound(tmp_path):
     grown = figures["peak"] - figures["baseline"]
     assert grown <= cache_gb * 1e9 + figures["slots"] + FIXED_OVERHEAD, figures
     assert not (tmp_path / STORE_DIRNAME).exists(), "the store's files outlived the process"
+
+
+def _page_store(tmp_path, cache_pages: int) -> DiskStore:
+    """Four one-page blocks whose weights and ``exp_avg`` are on disk; the cache holds ``cache_pages``
+    entries, at first blocks 2 and 3's ``exp_avg`` (needed by nothing predicted)."""
+    blocks = [Block(index=i, name=f"b{i}", numel=ALIGNMENT // 4) for i in range(4)]
+    store = DiskStore(blocks, str(tmp_path), cache_pages * ALIGNMENT, kinds=["param", "exp_avg"])
+    for kind in ("param", "exp_avg"):
+        for block in range(4):
+            with store.pinned(block, kind, write=True) as buf:
+                buf.fill_(block)
+    store.flush()
+    store.hint([(2, ("exp_avg",)), (3, ("exp_avg",))])
+    for block in (2, 3):
+        with store.pinned(block, "exp_avg"):
+            pass
+    store.hint([])
+    store.stats.disk_read_bytes = 0
+    return store
+
+
+def test_cache_ranks_each_kind_by_its_own_next_use(tmp_path):
+    store = _page_store(tmp_path, cache_pages=2)
+    # Block 0's optimizer state is needed after block 1's weights: loading it must not evict them.
+    store.hint([(0, ("param",)), (1, ("param",)), (0, ("exp_avg",))])
+    for block in (0, 1):
+        with store.pinned(block, "param") as buf:
+            assert buf[0] == block
+    assert store.stats.disk_read_bytes == 2 * ALIGNMENT
+    with store.pinned(0, "exp_avg") as buf:
+        assert buf[0] == 0
+    assert store.stats.disk_read_bytes == 3 * ALIGNMENT
+    store.close()
+
+
+def test_a_claim_outranks_the_trace_and_later_demands(tmp_path):
+    store = _page_store(tmp_path, cache_pages=2)
+    store.hint([(0, ("param",)), (1, ("param",))])
+    store.claim(2, ["param"])  # a submitted update: loaded now, evicting block 1 (needed last)
+    with store.pinned(3, "param"):  # an unpredicted demand may evict block 0, not the claimed block 2
+        pass
+    with store.pinned(2, "param") as buf:
+        assert buf[0] == 2
+    assert store.stats.disk_read_bytes == 4 * ALIGNMENT  # 0, 1, 2, 3: the claimed block read once
+    store.close()

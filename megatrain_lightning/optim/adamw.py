@@ -16,7 +16,6 @@ parameters of the flat buffers: the arithmetic, and so the result, is bitwise th
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -215,6 +214,11 @@ class CPUAdamW(Optimizer):
         self._clip = _Clip()
         return loss
 
+    @property
+    def stepping(self) -> bool:
+        """Whether the pass running now ends in an update (its closure runs inside ``step``)."""
+        return self._in_step
+
     def block_ready(self, block: int) -> None:
         """The engine's signal that ``block``'s gradients are final for this backward."""
         if self._in_step and not self.defer_updates:
@@ -309,6 +313,7 @@ class CPUAdamW(Optimizer):
         future: Future = Future()
         self._pending[block] = future
         self._before_update(block)
+        self.store.claim(block, self._update_kinds)
         self._pool.submit(self._run, block, future, self._hparams, self._clip)
 
     def _run(self, block: int, future: Future, hparams: list[_GroupHparams], clip: _Clip) -> None:
@@ -322,10 +327,12 @@ class CPUAdamW(Optimizer):
         except BaseException as err:  # re-raised in whoever waits for this block
             future.set_exception(err)
 
+    @property
+    def _update_kinds(self) -> tuple[str, ...]:
+        return ("param", "grad", *self.state_kinds)
+
     def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
-        kinds = ("param", "grad", *self.state_kinds)
-        with contextlib.ExitStack() as pins:
-            flats = {k: pins.enter_context(self.store.pinned(block, k, write=True)) for k in kinds}
+        with self.store.pinned_all(block, self._update_kinds, write=True) as flats:
             self._update_pinned(block, flats, hparams, clip)
         self.store.discard(block, "grad")
         self.store.written(block, ("param", *self.state_kinds))
