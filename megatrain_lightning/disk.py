@@ -259,14 +259,16 @@ class DiskStore(HostStore):
         self, size: int, rank: float, demand: bool, keep: frozenset[tuple[int, str]]
     ) -> int | None:
         """The offset of a free region of ``size`` bytes, evicting (Belady) to make one, but only what is
-        needed later than ``rank``. A prefetch gives up (``None``) rather than wait; a demand waits
-        while other threads hold or move entries, and otherwise takes the least bad region."""
+        needed later than ``rank``. A prefetch gives up (``None``) rather than wait, and evicts only clean
+        entries (a gradient spilled to make room for a guess is mostly consumed before it would have been
+        evicted: a wasted write); a demand writes dirty ones back, waits while other threads hold or move
+        entries, and otherwise takes the least bad region."""
         deadline = time.monotonic() + _STALL_TIMEOUT_S
         while True:
             offset = self._arena.allocate(size)
             if offset is not None:
                 return offset
-            window = self._best_window(size, rank, keep)
+            window = self._best_window(size, rank, keep, clean_only=not demand)
             if window is None and demand and not self._others_active():
                 window = self._best_window(size, -_NEVER, keep)
                 if window is None:
@@ -298,7 +300,7 @@ class DiskStore(HostStore):
         return any(e.busy or any(h != me for h in e.holders) for e in self._entries.values())
 
     def _best_window(
-        self, size: int, rank: float, keep: frozenset[tuple[int, str]]
+        self, size: int, rank: float, keep: frozenset[tuple[int, str]], clean_only: bool = False
     ) -> tuple[int, list[tuple[tuple[int, str], _Entry]]] | None:
         """The ``size``-byte range of the arena whose eviction hurts least: all of its entries idle and
         needed later than ``rank``, the soonest needed of them as late as possible (Belady); then
@@ -312,7 +314,7 @@ class DiskStore(HostStore):
         for i, (start, _, _) in enumerate(segments):
             if start + size > self._arena.capacity:
                 break
-            victims = self._evictable_from(segments[i:], start + size, rank, keep)
+            victims = self._evictable_from(segments[i:], start + size, rank, keep, clean_only)
             if victims is None:
                 continue
             soonest = min((self._rank(k) for k, _ in victims), default=_NEVER)
@@ -323,7 +325,7 @@ class DiskStore(HostStore):
         return best
 
     def _evictable_from(
-        self, segments: list, end: int, rank: float, keep: frozenset[tuple[int, str]]
+        self, segments: list, end: int, rank: float, keep: frozenset[tuple[int, str]], clean_only: bool
     ) -> list[tuple[tuple[int, str], _Entry]] | None:
         """The entries among ``segments`` that start before ``end``, or ``None`` if one may not leave."""
         victims = []
@@ -333,7 +335,8 @@ class DiskStore(HostStore):
             if item is None:
                 continue
             key, entry = item
-            if entry.pins or entry.busy or key in keep or self._rank(key) <= rank:
+            held = entry.pins or entry.busy or key in keep or (clean_only and entry.dirty)
+            if held or self._rank(key) <= rank:
                 return None
             victims.append(item)
         return victims

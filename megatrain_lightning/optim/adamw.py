@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_any
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,7 @@ class CPUAdamW(Optimizer):
         self.stats = stats or EngineStats()
         self._before_update = before_update
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="megatrain-adamw")
+        self.max_queued = 2 * threads
         self._pending: dict[int, Future] = {}
         self._submitted: set[int] = set()
         self._in_step = False
@@ -237,6 +239,16 @@ class CPUAdamW(Optimizer):
     def wait_all(self) -> None:
         for block in list(self._pending):
             self.wait(block)
+
+    def wait_for_room(self) -> None:
+        """Back-pressure for the backward pass: return once at most ``max_queued`` updates are queued or
+        running. A backward that runs far ahead of the updates only piles up gradients (which the disk
+        tier must then spill); the updates, not the backward, decide when the next forward can start."""
+        queued = [f for f in self._pending.values() if not f.done()]
+        if len(queued) > self.max_queued:
+            start = time.perf_counter()
+            wait_for_any(queued, return_when=FIRST_COMPLETED)
+            self.stats.optimizer_wait_s += time.perf_counter() - start
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
