@@ -15,6 +15,7 @@ update is done; consumed gradients are dropped without being written.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import itertools
 import json
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from megatrain_lightning.arena import Arena, pages
 from megatrain_lightning.blocks import Block
+from megatrain_lightning.futures import result_of
 from megatrain_lightning.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import ALIGNMENT, HostStore
@@ -133,7 +135,7 @@ class DiskStore(HostStore):
         me = threading.get_ident()
         with self._cond:
             if self._failure is not None:
-                raise self._failure
+                raise copy.copy(self._failure)  # not the stored one: see futures.result_of
             for key in keys:
                 self._claimed.setdefault(key, self._claim_rank())
             while missing := [key for key in keys if key not in self._entries]:
@@ -146,7 +148,7 @@ class DiskStore(HostStore):
             for entry in entries:
                 for future in (entry.ready, entry.writing if write else None):
                     if future is not None:
-                        future.result()  # a failed load or write-back raises here
+                        result_of(future)  # a failed load or write-back raises here
             yield {kind: entry.buf for (_, kind), entry in zip(keys, entries, strict=True)}
         finally:
             with self._cond:
@@ -213,7 +215,7 @@ class DiskStore(HostStore):
                     self._write_back(key, entry)
             pending = [e.writing for e in self._entries.values() if e.writing is not None]
         for future in pending:
-            future.result()
+            result_of(future)
 
     def close(self) -> None:
         self.flush()

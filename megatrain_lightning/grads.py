@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from megatrain_lightning.futures import result_of
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore, aligned_empty
 from megatrain_lightning.timeline import TIMELINE
@@ -68,7 +69,7 @@ class HostGrads:
     def flush(self) -> None:
         """Wait until every offload issued so far has been added to the accumulation buffers."""
         if self._last is not None:
-            self._last.result()
+            result_of(self._last)
         for block in list(self._pass_sums):
             self._fold(block)
 

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from megatrain_lightning.futures import result_of
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
 from megatrain_lightning.timeline import TIMELINE
@@ -93,7 +94,7 @@ class Pager:
             self._prefetch_ahead()
         if load_here:
             self._load(slot, block, slot.ready)
-        slot.ready.result()
+        result_of(slot.ready)
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
         self.stats.fetch_wait_s += time.perf_counter() - start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import subprocess
@@ -120,10 +121,21 @@ def test_a_failed_write_stops_the_run_with_the_path(tmp_path, monkeypatch, code)
 
     monkeypatch.setattr(BlockFile, "write", failing_write)
     model = tiny_model("llama", num_hidden_layers=40, hidden_size=32, intermediate_size=64)
+    gc.collect()
+    trainers_before = _live("Trainer")  # what other tests still hold
     with pytest.raises(StoreIOError, match=f"writing {tmp_path}.*failed") as info:
         fit(model, MegaTrainStrategy(offload_dir=tmp_path, **_budgets(model)), steps=20)
     if code == errno.ENOSPC:
         assert "larger disk" in str(info.value)
+    del info
+    gc.collect()
+    # Teardown did not raise the failure a second time, so Lightning finished its own teardown: its
+    # signal handlers, which hold the trainer and through it the model and its store, are gone.
+    assert _live("Trainer") == trainers_before
+
+
+def _live(type_name: str) -> int:
+    return sum(type(o).__name__ == type_name for o in gc.get_objects())
 
 
 MEMORY_SCRIPT = peak_rss_script(

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 
 from megatrain_lightning.blocks import align_up
+from megatrain_lightning.futures import result_of
 from megatrain_lightning.grads import HostGrads
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim.quantized import quantized_adamw_
@@ -231,10 +232,10 @@ class CPUAdamW(Optimizer):
         future = self._pending.get(block)
         if future is not None and not future.done():
             start = time.perf_counter()
-            future.result()
+            result_of(future)
             self.stats.optimizer_wait_s += time.perf_counter() - start
         elif future is not None:
-            future.result()
+            result_of(future)
 
     def wait_all(self) -> None:
         for block in list(self._pending):
