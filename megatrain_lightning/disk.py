@@ -90,7 +90,7 @@ class DiskStore(HostStore):
         self._on_disk: set[tuple[int, str]] = set()  # regions holding data (others read as zeros)
         self._future: dict[tuple[int, str], int] = {}  # (block, kind) -> rank of its next predicted use
         # Needed before anything the trace predicts (submitted updates), in order of submission.
-        self._claimed: dict[tuple[int, str], float] = {}
+        self._claimed: dict[tuple[int, str], int] = {}
         self._claims = itertools.count()
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
         self._workers = ThreadPoolExecutor(self.io.threads, thread_name_prefix="megatrain-io")

@@ -9,7 +9,7 @@ from megatrain_lightning.blocks import discover_blocks
 from megatrain_lightning.pager import Pager
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
-from megatrain_lightning.trace import Trace
+from megatrain_lightning.trace import Trace, UpdateCadence
 
 
 class Layer(nn.Module):
@@ -89,3 +89,13 @@ def test_invalidate_drops_the_cached_copy():
     assert _run_pass(pager, [0]) == [0]  # still the cached copy: nobody said it changed
     pager.invalidate(0)
     assert _run_pass(pager, [0]) == [7]
+
+
+def test_update_cadence_learns_the_accumulation_window():
+    cadence = UpdateCadence()
+    predicted = []
+    for updates in [False, False, False, True] * 3:  # accumulate_grad_batches=4
+        cadence.record(updates)
+        predicted.append(cadence.next_updates())
+    # Once one window has been seen, the pass before each update pass predicts it, and only that one.
+    assert predicted[4:] == [False, False, True, False, False, False, True, False]
