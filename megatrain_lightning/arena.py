@@ -25,12 +25,17 @@ def pages(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+def whole_pages_in(nbytes: int) -> int:
+    """``nbytes`` rounded down to whole pages: an arena for a budget never exceeds it."""
+    return nbytes // ALIGNMENT * ALIGNMENT
+
+
 class Arena:
     """Regions of one page-aligned uint8 buffer of ``capacity`` bytes (pages untouched until used;
     all of them pinned at once on CUDA)."""
 
     def __init__(self, capacity: int, pin_memory: bool = False) -> None:
-        self.capacity = capacity // ALIGNMENT * ALIGNMENT  # never above the budget
+        self.capacity = whole_pages_in(capacity)
         self.memory = aligned_empty(self.capacity, torch.uint8, pin_memory)
         self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (start, end)
         self.used = 0

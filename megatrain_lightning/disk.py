@@ -15,7 +15,6 @@ update is done; consumed gradients are dropped without being written.
 from __future__ import annotations
 
 import contextlib
-import copy
 import fcntl
 import itertools
 import json
@@ -30,9 +29,9 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from megatrain_lightning.arena import Arena, pages
+from megatrain_lightning.arena import Arena, pages, whole_pages_in
 from megatrain_lightning.blocks import Block
-from megatrain_lightning.futures import result_of
+from megatrain_lightning.futures import fresh_copy, result_of
 from megatrain_lightning.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import ALIGNMENT, HostStore
@@ -108,7 +107,7 @@ class DiskStore(HostStore):
     def resize_cache(self, cache_bytes: int) -> None:
         """A new host-cache budget (a later strategy over the same model): everything cached is written
         back and dropped."""
-        if cache_bytes // ALIGNMENT * ALIGNMENT == self._arena.capacity:
+        if whole_pages_in(cache_bytes) == self._arena.capacity:
             return
         self.flush()
         with self._cond:
@@ -135,7 +134,7 @@ class DiskStore(HostStore):
         me = threading.get_ident()
         with self._cond:
             if self._failure is not None:
-                raise copy.copy(self._failure)  # not the stored one: see futures.result_of
+                raise fresh_copy(self._failure)
             for key in keys:
                 self._claimed.setdefault(key, self._claim_rank())
             while missing := [key for key in keys if key not in self._entries]:
@@ -179,7 +178,7 @@ class DiskStore(HostStore):
                 entry.dirty = False
             self._cond.notify_all()
 
-    def hint(self, future: list[tuple[int, tuple[str, ...]]]) -> None:
+    def hint(self, future: Iterable[tuple[int, tuple[str, ...]]]) -> None:
         """Rank every (block, kind) by its next predicted use; load ahead in that order while the cache
         has room that nothing needed sooner occupies."""
         with self._cond:
@@ -187,7 +186,7 @@ class DiskStore(HostStore):
             for rank, (block, kinds) in enumerate(future):
                 for kind in kinds:
                     self._future.setdefault((block, kind), rank)
-            for key in sorted(self._future, key=self._future.get):
+            for key in self._future:  # inserted in rank order
                 if key in self._entries or key not in self._on_disk:
                     continue
                 if self._admit(key, demand=False) is None:

@@ -278,7 +278,7 @@ class Engine:
         if self.optimizer is None:
             return ("param", "grad")
         updates = self._cadence.next_updates() if next_pass else self.optimizer.stepping
-        return ("param", "grad", *self.optimizer.state_kinds) if updates else ("param", "grad")
+        return self.optimizer.update_kinds if updates else ("param", "grad")
 
     def _wait_for_update(self, block: int) -> None:
         if self.optimizer is not None:

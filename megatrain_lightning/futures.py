@@ -18,8 +18,13 @@ def result_of(future: Future) -> Any:
     failure = future.exception()  # waits; unlike result(), does not raise the stored exception
     if failure is None:
         return future.result()
+    raise fresh_copy(failure) from failure
+
+
+def fresh_copy(failure: BaseException) -> BaseException:
+    """A new exception with ``failure``'s type and message, to raise where ``failure`` itself is kept
+    by a long-lived object (see :func:`result_of`)."""
     try:
-        fresh = copy.copy(failure)
+        return copy.copy(failure)
     except Exception:  # an exception type that cannot be rebuilt from its args
-        fresh = RuntimeError(f"{type(failure).__name__}: {failure}")
-    raise fresh from failure
+        return RuntimeError(f"{type(failure).__name__}: {failure}")

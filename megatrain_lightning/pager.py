@@ -10,6 +10,7 @@ farthest in the future (Belady).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -162,9 +163,12 @@ class Pager:
 
     def _prefetch_ahead(self) -> None:
         this_pass, next_pass = self.trace.future()
+        # Lazily: the host tier has no cache and never iterates it (this runs on every block fetch).
         self.store.hint(
-            [(block, self._access_kinds(backward, False)) for block, backward in this_pass]
-            + [(block, self._access_kinds(backward, True)) for block, backward in next_pass]
+            itertools.chain(
+                ((block, self._access_kinds(backward, False)) for block, backward in this_pass),
+                ((block, self._access_kinds(backward, True)) for block, backward in next_pass),
+            )
         )
         uses = self._next_uses()
         wanted = [b for b in uses if b not in self._resident][: self.prefetch_depth]

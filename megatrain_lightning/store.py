@@ -93,7 +93,7 @@ class HostStore:
     def discard(self, block: int, kind: str) -> None:
         """The contents of ``kind`` are no longer needed (a consumed gradient): kept allocated here."""
 
-    def hint(self, future: list[tuple[int, tuple[str, ...]]]) -> None:
+    def hint(self, future: Iterable[tuple[int, tuple[str, ...]]]) -> None:
         """The predicted coming accesses, in order, each a block and the kinds it will use; a tier
         with a cache ranks what it holds by them and loads ahead."""
 

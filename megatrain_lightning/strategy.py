@@ -133,7 +133,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MisconfigurationException(f"`{name}` must be an int >= 1; got {value!r}.")
         self.optimizer_threads = optimizer_threads
-        self._failed = False  # the running fit/validate/... raised; teardown must not raise again
         self.io = IOConfig(chunk_bytes=io_chunk_mb << 20, threads=io_threads)
         if self.offload_dir is not None and self.offload_dir != "auto":
             prepare_offload_dir(self.offload_dir)
@@ -196,7 +195,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        self._failed = False
         self.engine = Engine.attach(module, self.block_classes, self._engine_config)
         self.precision_plugin.device = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
@@ -422,17 +420,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     # -- the end --
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
-
-    @override
     def teardown(self) -> None:
         """Wait for pending updates and move buffers back; the store stays, so ``state_dict`` still works.
         After a failure the same error would surface again from the waits: it is the one already on its
         way to the user, and raising here would skip the rest of Lightning's teardown (its signal
         handlers, which hold the trainer and so the whole model, would stay installed)."""
         if self.engine is not None:
-            with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext():
+            failed = self.lightning_module is not None and self.lightning_module.trainer.interrupted
+            with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
                 self.engine.wait_all()
                 self.engine.store.flush()
         if self.lightning_module is not None:

@@ -326,7 +326,7 @@ class CPUAdamW(Optimizer):
         future: Future = Future()
         self._pending[block] = future
         self._before_update(block)
-        self.store.claim(block, self._update_kinds)
+        self.store.claim(block, self.update_kinds)
         self._pool.submit(self._run, block, future, self._hparams, self._clip)
 
     def _run(self, block: int, future: Future, hparams: list[_GroupHparams], clip: _Clip) -> None:
@@ -341,11 +341,12 @@ class CPUAdamW(Optimizer):
             future.set_exception(err)
 
     @property
-    def _update_kinds(self) -> tuple[str, ...]:
+    def update_kinds(self) -> tuple[str, ...]:
+        """The store kinds a block's update reads and writes."""
         return ("param", "grad", *self.state_kinds)
 
     def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
-        with self.store.pinned_all(block, self._update_kinds, write=True) as flats:
+        with self.store.pinned_all(block, self.update_kinds, write=True) as flats:
             self._update_pinned(block, flats, hparams, clip)
         self.store.discard(block, "grad")
         self.store.written(block, ("param", *self.state_kinds))
