@@ -43,7 +43,7 @@ class LossRecorder(L.Callback):
 
 @dataclass
 class Run:
-    module: CausalLMModule
+    module: L.LightningModule
     trainer: L.Trainer
     losses: list[float] = field(default_factory=list)
 
@@ -80,6 +80,92 @@ def fit(
     )
     torch.manual_seed(1)
     trainer.fit(module, datamodule=TextDataModule(seq_len=seq_len, batch_size=batch_size))
+    return Run(module, trainer, recorder.losses)
+
+
+class UserLM(L.LightningModule):
+    """A LightningModule written the way users write one (the parity oracle): the model's default call
+    (no ``use_cache=False``), plain tensor or dict batches, ``torch.optim.AdamW`` over ``self.parameters()``."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+
+    def forward(self, batch: Any) -> Any:
+        if isinstance(batch, dict):
+            return self.model(**batch)
+        return self.model(input_ids=batch, labels=batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(batch).loss)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self(batch).loss)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch).logits
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def token_batches(
+    n: int, batch_size: int = 2, seq_len: int = 16, vocab: int = 256, dicts: bool = False, seed: int = 0
+) -> list[Any]:
+    """``n`` random batches: token tensors, or dicts with right padding (``attention_mask`` 0 and
+    ``labels`` -100 on the padded tail of every other row)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches: list[Any] = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=generator)
+        if not dicts:
+            batches.append(ids)
+            continue
+        mask = torch.ones_like(ids)
+        mask[1::2, seq_len - seq_len // 4 :] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return batches
+
+
+def user_fit(
+    model: torch.nn.Module,
+    strategy: Any = "auto",
+    steps: int = 4,
+    dicts: bool = False,
+    vocab: int = 256,
+    seq_len: int = 16,
+    module_cls: type[L.LightningModule] = UserLM,
+    callbacks: list[L.Callback] | None = None,
+    **trainer_kwargs: Any,
+) -> Run:
+    """Train a copy of ``model`` inside a :class:`UserLM` (or ``module_cls``) for ``steps`` micro-batches."""
+    module = module_cls(copy.deepcopy(model))
+    recorder = LossRecorder()
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kwargs.update(trainer_kwargs)
+    trainer = L.Trainer(strategy=strategy, callbacks=[recorder, *(callbacks or [])], **kwargs)
+    batches = token_batches(
+        steps * kwargs.get("accumulate_grad_batches", 1), vocab=vocab, seq_len=seq_len, dicts=dicts
+    )
+    torch.manual_seed(1)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return Run(module, trainer, recorder.losses)
 
 
