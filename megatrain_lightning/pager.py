@@ -95,15 +95,19 @@ class Pager:
             self._prefetch_ahead()
         if load_here:
             self._load(slot, block, slot.ready)
-        result_of(slot.ready)
+        try:
+            result_of(slot.ready)
+        except BaseException:
+            self.release(block, slot)  # the failed load already gave up the slot (``_load``)
+            raise
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
         self.stats.fetch_wait_s += time.perf_counter() - start
         return slot.buf[: self.store.blocks[block].numel]
 
-    def release(self, block: int) -> None:
+    def release(self, block: int, slot: _Slot | None = None) -> None:
         with self._cond:
-            slot = self._resident[block]
+            slot = slot if slot is not None else self._resident[block]
             slot.pins -= 1
             if slot.released is not None:
                 slot.released.record(torch.cuda.current_stream(self.device))
@@ -202,6 +206,9 @@ class Pager:
         except BaseException as err:  # surfaces in the waiting compute thread
             ready.set_exception(err)
         with self._cond:
+            if ready.exception() is not None and self._resident.get(block) is slot:
+                del self._resident[block]  # the next acquire loads again (and meets the cause again)
+                slot.block = None
             if slot.stale:
                 slot.block, slot.stale = None, False
             self._cond.notify_all()

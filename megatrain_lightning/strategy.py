@@ -26,6 +26,7 @@ from megatrain_lightning.engine import Engine, EngineConfig
 from megatrain_lightning.io import IOConfig
 from megatrain_lightning.meta import init_on_meta
 from megatrain_lightning.optim import CPUAdamW
+from megatrain_lightning.optim.adamw import rebind_scheduler
 from megatrain_lightning.planner import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.preflight import (
@@ -191,6 +192,16 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+        for callback in trainer.callbacks:  # they keep their own copy of the weights
+            if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+                raise MisconfigurationException(
+                    f"megatrain does not support `{type(callback).__name__}` yet: it keeps an averaged "
+                    "copy of the model's parameters, while megatrain keeps the weights in its store and "
+                    "leaves the module's parameters on the meta device. Remove the callback, or train with "
+                    "the default strategy."
+                )
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -310,14 +321,18 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             compression=self.optimizer_compression,
             threads=self.optimizer_threads,
         )
-        optimizer.defer_updates = bool(trainer.gradient_clip_val) or is_overridden(
-            "configure_gradient_clipping", module, pl.LightningModule
+        # Clipping needs every gradient before the first update. Manual optimization may clip
+        # (``self.clip_gradients``) after a backward run inside ``opt.step(closure)``: defer there too.
+        optimizer.defer_updates = (
+            bool(trainer.gradient_clip_val)
+            or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+            or not module.automatic_optimization
         )
         if engine.optimizer is not None:
             engine.optimizer.close()
         engine.optimizer = optimizer
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = optimizer
+            rebind_scheduler(config.scheduler, optimizer)
         self.optimizers = [optimizer]
 
     # -- steps: each begins a pass of the trace --
