@@ -259,7 +259,7 @@ def test_manual_optimization_clip_gradients(model, clip, in_closure, every):
     unclipped = user_fit(model, "auto", module_cls=unclipped_cls)
     diff = max(
         (a - b).abs().max().item()
-        for a, b in zip(plain.state_dict().values(), unclipped.state_dict().values())
+        for a, b in zip(plain.state_dict().values(), unclipped.state_dict().values(), strict=True)
     )
     assert diff > 1e-4, "the clipping must change the result"
 
