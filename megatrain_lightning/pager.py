@@ -97,17 +97,19 @@ class Pager:
             self._load(slot, block, slot.ready)
         try:
             result_of(slot.ready)
-        except BaseException:
-            self.release(block, slot)  # the failed load already gave up the slot (``_load``)
+        except BaseException:  # ``_load`` already forgot the block
+            with self._cond:
+                slot.pins -= 1
+                self._cond.notify_all()
             raise
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
         self.stats.fetch_wait_s += time.perf_counter() - start
         return slot.buf[: self.store.blocks[block].numel]
 
-    def release(self, block: int, slot: _Slot | None = None) -> None:
+    def release(self, block: int) -> None:
         with self._cond:
-            slot = slot if slot is not None else self._resident[block]
+            slot = self._resident[block]
             slot.pins -= 1
             if slot.released is not None:
                 slot.released.record(torch.cuda.current_stream(self.device))
@@ -207,7 +209,9 @@ class Pager:
             ready.set_exception(err)
         with self._cond:
             if ready.exception() is not None and self._resident.get(block) is slot:
-                del self._resident[block]  # the next acquire loads again (and meets the cause again)
+                # Surfaced to whoever waits for it now; later acquires load again (nothing stale: the
+                # retry succeeds with the right weights or fails again), so no failure outlives its run.
+                del self._resident[block]
                 slot.block = None
             if slot.stale:
                 slot.block, slot.stale = None, False
