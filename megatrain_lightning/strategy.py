@@ -26,6 +26,7 @@ from megatrain_lightning.engine import Engine, EngineConfig
 from megatrain_lightning.io import IOConfig
 from megatrain_lightning.meta import init_on_meta
 from megatrain_lightning.optim import CPUAdamW
+from megatrain_lightning.optim.adamw import rebind_scheduler
 from megatrain_lightning.planner import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.preflight import (
@@ -55,11 +56,13 @@ def _budget(name: str, value: Any) -> float | None:
 
 
 def _reads_final_gradients(trainer: pl.Trainer) -> bool:
-    """Whether user code sees the summed gradients before the optimizer step (clipping, or gradient
-    norms in ``on_before_optimizer_step``): then no block may be updated before the backward ends."""
+    """Whether user code may see or change the summed gradients before the optimizer step (clipping,
+    gradient norms in ``on_before_optimizer_step``): then no block is updated before the backward ends."""
     module = trainer.lightning_module
     return (
-        is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+        # Manual optimization may clip (``self.clip_gradients``) after a backward inside ``opt.step(closure)``.
+        not module.automatic_optimization
+        or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
         or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
         or any(is_overridden("on_before_optimizer_step", c, pl.Callback) for c in trainer.callbacks)
     )
@@ -202,6 +205,16 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+        for callback in trainer.callbacks:  # they keep their own copy of the weights
+            if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+                raise MisconfigurationException(
+                    f"megatrain does not support `{type(callback).__name__}` yet: it keeps an averaged "
+                    "copy of the model's parameters, while megatrain keeps the weights in its store and "
+                    "leaves the module's parameters on the meta device. Remove the callback, or train with "
+                    "the default strategy."
+                )
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -326,7 +339,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             engine.optimizer.close()
         engine.optimizer = optimizer
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = optimizer
+            rebind_scheduler(config.scheduler, optimizer)
         self.optimizers = [optimizer]
 
     # -- steps: each begins a pass of the trace --
