@@ -156,6 +156,32 @@ def test_convert_checkpoint_writes_one_standard_file(trained, tmp_path, capsys):
         megatrain_lightning.open_checkpoint(tmp_path)
 
 
+def test_weights_only_checkpoints_open_too(trained, tmp_path):
+    paged, _ = trained["megatrain"]
+    paged.trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    got = torch.load(open_checkpoint(tmp_path / "weights.ckpt"), weights_only=True)
+    assert "optimizer_states" not in got
+    _assert_close(paged.module.state_dict(), got["state_dict"], exact=True)
+
+
+def test_a_compressed_checkpoint_opens_with_decoded_moments(trained, tmp_path):
+    run = _fit(MegaTrainStrategy(optimizer_compression="int8"), tmp_path, max_steps=3)
+    run.trainer.save_checkpoint(tmp_path / "int8.ckpt")
+    got = torch.load(open_checkpoint(tmp_path / "int8.ckpt"), weights_only=True)["optimizer_states"][0]
+    reference = torch.load(trained["auto"][1], weights_only=True)["optimizer_states"][0]
+    assert got["state"].keys() == reference["state"].keys()
+    for i, state in reference["state"].items():
+        assert got["state"][i]["step"] == state["step"]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            # int8 moments of a run that drifted slightly from the fp32 one: a few percent apart (a wrong
+            # offset or decoding would be ~100%).
+            error = (got["state"][i][moment] - state[moment]).norm() / state[moment].norm()
+            assert error < 0.1, (i, moment, float(error))
+    convert_checkpoint(tmp_path / "int8.ckpt", tmp_path / "converted.ckpt")
+    plain = _fit("auto", tmp_path / "auto", max_steps=5, ckpt_path=tmp_path / "converted.ckpt")
+    assert len(plain.losses) == 2 and all(0 < loss < 10 for loss in plain.losses)
+
+
 def test_open_checkpoint_refuses_what_does_not_fit_in_ram(trained, monkeypatch):
     monkeypatch.setattr(megatrain_lightning.checkpoint, "available_ram_bytes", lambda: 1000)
     with pytest.raises(CheckpointError, match="megatrain export"):
@@ -174,10 +200,13 @@ def test_default_strategy_resumes_a_converted_megatrain_checkpoint(trained, tmp_
     assert_same_training(plain, paged)
 
 
-def test_megatrain_resumes_a_default_strategy_checkpoint(trained, tmp_path):
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_megatrain_resumes_a_default_strategy_checkpoint(trained, tmp_path, tier):
     path = trained["auto"][1]
     plain = _fit("auto", tmp_path / "auto", max_steps=5, ckpt_path=path)
-    paged = _fit("megatrain", tmp_path / "megatrain", max_steps=5, ckpt_path=path)
+    # The disk tier: the loaded weights and moments go into the store through its cache.
+    disk = dict(offload_dir=tmp_path / "offload", max_cpu_gb=0.003) if tier == "disk" else {}
+    paged = _fit(MegaTrainStrategy(**disk), tmp_path / "megatrain", max_steps=5, ckpt_path=path)
     assert paged.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 5
     assert (
         paged.trainer.optimizers[0].param_groups[0]["lr"] == plain.trainer.optimizers[0].param_groups[0]["lr"]
