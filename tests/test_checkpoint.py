@@ -177,7 +177,7 @@ RESUME_SCRIPT = textwrap.dedent(
     import lightning as L, torch
     sys.path.insert(0, sys.argv[5])
     from conftest import tiny_model
-    from megatrain_lightning import MegaTrainStrategy, open_checkpoint
+    from megatrain_lightning import MegaTrainStrategy
     from megatrain_lightning.data import TextDataModule
     from megatrain_lightning.models import CausalLMModule
 
@@ -294,7 +294,7 @@ LOAD_SCRIPT = peak_rss_script(
     """
     import json, sys, threading, time
     import lightning as L, psutil, torch
-    from megatrain_lightning import MegaTrainStrategy, open_checkpoint
+    from megatrain_lightning import MegaTrainStrategy
     from megatrain_lightning.data import TextDataModule
     from megatrain_lightning.models import CausalLMModule
 
