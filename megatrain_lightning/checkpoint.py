@@ -38,6 +38,7 @@ from megatrain_lightning.preflight import available_ram_bytes
 from megatrain_lightning.safetensors_io import (
     SafetensorsError,
     ShardWriter,
+    TensorEntry,
     read_header,
     read_into,
     read_tensor,
@@ -263,12 +264,17 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
 def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     entries = ckpt.optimizer().entries
     for block in engine.blocks:
-        tensors = {}
-        for name, entry in entries.items():
-            if entry.path.endswith(_block_file("optimizer", block.index)):
-                tensors[name.split(":", 1)[1]] = tensor = torch.empty(entry.shape, dtype=entry.dtype)
-                read_into(entry, tensor)
-        optimizer.load_block_state(block.index, tensors)
+        optimizer.load_block_state(block.index, _optimizer_block(entries, block.index))
+
+
+def _optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, Tensor]:
+    """One block's saved optimizer state by kind (``exp_avg``, ``step``, ...)."""
+    file = _block_file("optimizer", block)
+    return {
+        name.split(":", 1)[1]: read_tensor(entry)
+        for name, entry in entries.items()
+        if entry.path.endswith(file)
+    }
 
 
 # -- reading a checkpoint directory as a standard single-file Lightning checkpoint --
@@ -356,11 +362,7 @@ def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
     for block, (params, layout) in enumerate(
         zip(ckpt.manifest["blocks"], ckpt.manifest["layout"], strict=True)
     ):
-        saved = {
-            name.split(":", 1)[1]: read_tensor(entry)
-            for name, entry in entries.items()
-            if entry.path.endswith(_block_file("optimizer", block))
-        }
+        saved = _optimizer_block(entries, block)
         m, v = saved["exp_avg"], saved["exp_avg_sq"]
         quantized = layout["numel"] - m.numel()  # elements [0, quantized) have block-quantized moments
         if quantized:

@@ -367,7 +367,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         """The full fp32 weights, like a plain ``state_dict``: views of the store in the host tier, a copy
         read from disk in the disk tier (an error where that copy would not fit in RAM). Lightning's own
         checkpointing gets nothing here: ``save_checkpoint`` streams the weights block by block."""
-        if self.offload_dir is None:
+        if self.offload_dir is None or self.engine is None:
             return super().lightning_module_state_dict()
         if _called_by_checkpoint_connector():
             return {}
