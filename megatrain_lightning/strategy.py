@@ -55,6 +55,17 @@ def _budget(name: str, value: Any) -> float | None:
     return float(value)
 
 
+def _reads_final_gradients(trainer: pl.Trainer) -> bool:
+    """Whether user code sees the summed gradients before the optimizer step (clipping, or gradient
+    norms in ``on_before_optimizer_step``): then no block may be updated before the backward ends."""
+    module = trainer.lightning_module
+    return (
+        is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+        or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
+        or any(is_overridden("on_before_optimizer_step", c, pl.Callback) for c in trainer.callbacks)
+    )
+
+
 class MegaTrainStrategy(SingleDeviceStrategy):
     """Train a model larger than device memory: weights and optimizer state live in host memory, blocks
     stream through a fixed pool of device slots, gradients stream back, a CPU AdamW updates the weights.
@@ -311,9 +322,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             compression=self.optimizer_compression,
             threads=self.optimizer_threads,
         )
-        optimizer.defer_updates = bool(trainer.gradient_clip_val) or is_overridden(
-            "configure_gradient_clipping", module, pl.LightningModule
-        )
+        optimizer.defer_updates = bool(trainer.gradient_clip_val) or _reads_final_gradients(trainer)
         if engine.optimizer is not None:
             engine.optimizer.close()
         engine.optimizer = optimizer
@@ -326,7 +335,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.begin_pass("train")
-        return super().training_step(*args, **kwargs)
+        self.engine.guard_training_reads = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.engine.guard_training_reads = False
 
     @override
     def post_training_step(self) -> None:
