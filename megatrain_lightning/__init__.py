@@ -1,5 +1,6 @@
 """megatrain_lightning: train models larger than GPU memory with ``Trainer(strategy="megatrain")``."""
 
+from megatrain_lightning.checkpoint import convert_checkpoint, open_checkpoint
 from megatrain_lightning.hf import export_hf, from_pretrained
 from megatrain_lightning.hf_trainer import Trainer, init
 from megatrain_lightning.optim import CPUAdamW
@@ -11,9 +12,11 @@ __all__ = [
     "MegaTrainPrecision",
     "MegaTrainStrategy",
     "Trainer",
+    "convert_checkpoint",
     "export_hf",
     "from_pretrained",
     "init",
+    "open_checkpoint",
 ]
 
 

@@ -7,7 +7,8 @@ and every ``Trainer`` argument (``--trainer.*``), from flags or ``--config`` YAM
     megatrain fit --trainer.strategy=megatrain_lightning.MegaTrainStrategy --trainer.strategy.max_vram_gb=2
     megatrain plan --model 7b --vram 80 --ram 512 --disk 4000
 
-``plan`` is not a ``Trainer`` method, so a small dispatcher routes it before LightningCLI parses.
+``plan``, ``export`` and ``convert`` are not ``Trainer`` methods, so a small dispatcher routes them before
+LightningCLI parses.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 
 import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
+from megatrain_lightning.checkpoint import convert_checkpoint
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.hf import export_hf
 from megatrain_lightning.models import CausalLMModule
@@ -85,6 +87,19 @@ def export_main(argv: list[str]) -> None:
     print(f"wrote {args.out}")
 
 
+def convert_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="megatrain convert",
+        description="Write a megatrain checkpoint directory as a standard single-file Lightning checkpoint "
+        "(for `torch.load`, `load_from_checkpoint` and any strategy); the model must fit in RAM.",
+    )
+    parser.add_argument("checkpoint", help="a megatrain checkpoint directory (e.g. .../last.ckpt)")
+    parser.add_argument("out", help="the .ckpt file to write")
+    args = parser.parse_args(argv)
+    convert_checkpoint(args.checkpoint, args.out)
+    print(f"wrote {args.out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point; ``argv`` defaults to ``sys.argv[1:]`` (LightningCLI reads it itself then)."""
     args = sys.argv[1:] if argv is None else argv
@@ -92,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         plan_main(args[1:])
     elif args[:1] == ["export"]:
         export_main(args[1:])
+    elif args[:1] == ["convert"]:
+        convert_main(args[1:])
     else:
         lightning_cli(argv)
 

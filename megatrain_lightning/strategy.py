@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
@@ -389,11 +390,22 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full fp32 weights as views of the store, like a plain ``state_dict``. With the disk tier the
-        weights are not all in RAM: this is empty, and checkpoints stream them (see ``save_checkpoint``);
-        ``module.state_dict()`` still gives a full copy when one is wanted."""
-        if self.offload_dir is not None:
+        """The full fp32 weights, like a plain ``state_dict``: views of the store in the host tier, a copy
+        read from disk in the disk tier (an error where that copy would not fit in RAM). Lightning's own
+        checkpointing gets nothing here: ``save_checkpoint`` streams the weights block by block."""
+        if self.offload_dir is None or self.engine is None:
+            return super().lightning_module_state_dict()
+        if _called_by_checkpoint_connector():
             return {}
+        need = region_bytes(self.engine.blocks)
+        available = available_ram_bytes()
+        if need > available:
+            raise MisconfigurationException(
+                f"The model's weights ({need / _GB:.2f} GB in fp32) live on disk under `offload_dir` and "
+                f"do not fit in the {available / _GB:.2f} GB of RAM available, so no full state dict can be "
+                "built. Save with `trainer.save_checkpoint(path)` (it streams the weights block by block) "
+                "and export them with `megatrain_lightning.export_hf(path, out_dir)`."
+            )
         return super().lightning_module_state_dict()
 
     @override
@@ -437,9 +449,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         ckpt = checkpoint.get("megatrain_checkpoint")
-        if ckpt is None:
-            return super().load_optimizer_state_dict(checkpoint)
         optimizer = self.engine.optimizer
+        if ckpt is None:
+            # A single-file checkpoint (the default strategy's, or a converted one): torch.optim.AdamW's
+            # format, which CPUAdamW loads as it is when its moments are fp32.
+            if optimizer.compression != "none" and "blocks" not in checkpoint["optimizer_states"][0]:
+                raise MisconfigurationException(
+                    "This checkpoint holds fp32 Adam moments (torch.optim format), which megatrain loads "
+                    f"only uncompressed; got `optimizer_compression={optimizer.compression!r}`. Resume with "
+                    "`MegaTrainStrategy(optimizer_compression='none')` (and save again to compress)."
+                )
+            return super().load_optimizer_state_dict(checkpoint)
         optimizer.load_param_groups(checkpoint["optimizer_states"][0]["param_groups"])
         checkpointing.load_optimizer(ckpt, self.engine, optimizer)
 
@@ -478,3 +498,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             description="megatrain with the store on disk under <default_root_dir>/megatrain_offload",
             offload_dir="auto",
         )
+
+
+def _called_by_checkpoint_connector() -> bool:
+    """Whether Lightning's ``dump_checkpoint`` asks for the state dict (it goes to ``save_checkpoint``,
+    which streams the weights itself and drops it)."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    caller = sys._getframe(2).f_locals.get("self")
+    return isinstance(caller, _CheckpointConnector)
