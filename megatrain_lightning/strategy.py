@@ -61,7 +61,7 @@ def _reads_final_gradients(trainer: pl.Trainer) -> bool:
     gradient norms in ``on_before_optimizer_step``): then no block is updated before the backward ends."""
     module = trainer.lightning_module
     return (
-        # Manual optimization may clip (``self.clip_gradients``) after a backward inside ``opt.step(closure)``.
+        # Manual optimization may clip (`self.clip_gradients`) after a backward inside `opt.step(closure)`.
         not module.automatic_optimization
         or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
         or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
