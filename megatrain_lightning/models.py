@@ -18,6 +18,8 @@ from torchmetrics.text import Perplexity
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning.hf import from_pretrained
+from megatrain_lightning.init import InitRecorder
+from megatrain_lightning.meta import building_on_meta
 
 TINY_ARCHS = ("llama", "gpt2", "qwen2_moe", "mixtral")
 BYTE_VOCAB = 256
@@ -247,12 +249,16 @@ class CausalLMModule(L.LightningModule):
 
         Under megatrain parameters are created on meta and the strategy fills its store block by
         block: from the shards of a model directory (streamed, never the whole model in memory),
-        or with the model's own initialization.
+        or with the values a plain build draws from the same seed (see :mod:`megatrain_lightning.init`).
         """
         if self.model is not None:
             return
         if self.pretrained_path is not None:
             self.model = from_pretrained(self.pretrained_path)
+        elif building_on_meta():  # the store is filled later: with what a plain build would draw
+            with InitRecorder() as recorder:
+                self.model = AutoModelForCausalLM.from_config(self.config)
+            recorder.install(self.model)
         else:
             self.model = AutoModelForCausalLM.from_config(self.config)
 
