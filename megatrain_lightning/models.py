@@ -8,6 +8,7 @@ names, shapes and ``ndim`` (e.g. for the optimizer's weight-decay groups).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,18 @@ def llama_config(size: str, **overrides: Any) -> PretrainedConfig:
     return LlamaConfig(**kwargs)
 
 
+def plain_container(value: Any) -> Any:
+    """``value`` with omegaconf containers (what Hydra passes for ``betas: [0.9, 0.95]``) made plain
+    lists and dicts, which a checkpoint loaded with ``torch.load(weights_only=True)`` may hold."""
+    if "omegaconf" not in sys.modules:
+        return value
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
 def resolve_config(model: str | Mapping[str, Any] | PretrainedConfig) -> tuple[PretrainedConfig, str | None]:
     """Return ``(config, pretrained_dir)`` for an arch name, a model directory, a dict or a config.
 
@@ -232,6 +245,8 @@ class CausalLMModule(L.LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.save_hyperparameters(ignore=["model"])
+        for key, value in self.hparams.items():  # checkpoints load with weights_only=True
+            self.hparams[key] = plain_container(value)
         self.model: PreTrainedModel | None = None
         self.pretrained_path: str | None = None
         if isinstance(model, PreTrainedModel):
