@@ -122,6 +122,10 @@ class CPUAdamW(Optimizer):
             foreach=foreach,
             fused=fused,
         )
+        # Per block: (group index, parameter indices), filled by ``add_param_group`` as groups arrive.
+        self._locate = locate
+        self._plan: list[list[tuple[int, list[int]]]] = [[] for _ in store.blocks]
+        self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
         super().__init__(params, defaults)
         self.store = store
         self.grads = grads
@@ -141,17 +145,6 @@ class CPUAdamW(Optimizer):
         self._in_step = False
         self._hparams: list[_GroupHparams] = []
         self._clip = _Clip()
-        # Per block: (group index, parameter indices) and one step counter per parameter.
-        self._plan: list[list[tuple[int, list[int]]]] = [[] for _ in store.blocks]
-        self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
-        for g, group in enumerate(self.param_groups):
-            by_block: dict[int, list[int]] = {}
-            for p in group["params"]:
-                block, index = locate[id(p)]
-                by_block.setdefault(block, []).append(index)
-                self._order.append((block, index))
-            for block, indices in by_block.items():
-                self._plan[block].append((g, indices))
         self._steps = [[0] * len(b.params) for b in store.blocks]
         if compression not in COMPRESSIONS:
             raise MisconfigurationException(
@@ -164,6 +157,24 @@ class CPUAdamW(Optimizer):
             b.large_numel if self._bits and (b.repeated or compress_all_blocks) else 0 for b in store.blocks
         ]
         self._define_state_kinds()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (as torch does; also later, e.g. ``BaseFinetuning`` unfreezing a layer) and plan
+        which block buffers its parameters' updates cover."""
+        super().add_param_group(param_group)
+        group = len(self.param_groups) - 1
+        by_block: dict[int, list[int]] = {}
+        for p in self.param_groups[group]["params"]:
+            if id(p) not in self._locate:
+                raise MisconfigurationException(
+                    f"megatrain: the optimizer was given a tensor of shape {tuple(p.shape)} that is not a "
+                    "parameter of the LightningModule; megatrain updates only the module's parameters."
+                )
+            block, index = self._locate[id(p)]
+            by_block.setdefault(block, []).append(index)
+            self._order.append((block, index))
+        for block, indices in by_block.items():
+            self._plan[block].append((group, indices))
 
     @classmethod
     def from_optimizer(cls, optimizer: Optimizer, **kwargs: Any) -> CPUAdamW:
