@@ -249,6 +249,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.optimizer_compression != "none":
+                from megatrain_lightning.optim import kernel
+
+                kernel.prepare()  # here, not in the first update: no step waits for a compiler
         self.setup_precision_plugin()
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
