@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from megatrain_lightning.optim import codecs
 
@@ -191,12 +192,10 @@ def prepare() -> str:
     """Build or find the kernel now (at ``setup``, before the first step), saying so while it compiles;
     returns :func:`backend`."""
     if _kernel is None and _kernel_error is None:
-        log.info(
-            "megatrain: preparing the int8/int4 AdamW kernel (compiled once per machine, in %s)", cache_dir()
-        )
+        rank_zero_info(f"megatrain: preparing the int8/int4 AdamW kernel (built once, in {cache_dir()})")
         start = time.perf_counter()
         load_kernel()
-        log.info("megatrain: AdamW kernel %s ready in %.1f s", backend(), time.perf_counter() - start)
+        rank_zero_info(f"megatrain: AdamW kernel {backend()} ready in {time.perf_counter() - start:.1f} s")
     if _kernel is None:
         warn_fallback()
     return backend()
