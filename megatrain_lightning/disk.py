@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from megatrain_lightning.arena import Arena, pages, whole_pages_in
+from megatrain_lightning.arena import Arena, whole_pages_in
 from megatrain_lightning.blocks import Block
 from megatrain_lightning.futures import fresh_copy, result_of
+from megatrain_lightning.hostmem import ALIGNMENT, pages
 from megatrain_lightning.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import ALIGNMENT, HostStore
+from megatrain_lightning.store import HostStore
 from megatrain_lightning.timeline import TIMELINE
 
 STORE_DIRNAME = "megatrain_store"
@@ -114,6 +115,7 @@ class DiskStore(HostStore):
             if any(entry.pins for entry in self._entries.values()):
                 raise RuntimeError("megatrain: the host cache cannot be resized while blocks are in use")
             self._entries.clear()
+            self._arena = None  # freed (and unpinned) before the new one is allocated
             self._arena = Arena(cache_bytes, self.pin_memory)
 
     # -- the store API --

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from megatrain_lightning.futures import fresh_copy
+from megatrain_lightning.hostmem import host_empty
 from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore, aligned_empty
+from megatrain_lightning.store import HostStore
 from megatrain_lightning.timeline import TIMELINE
 
 
@@ -156,4 +157,4 @@ class HostGrads:
         if pool:
             return pool.pop()
         numel = max(b.numel for b in self.store.blocks)
-        return aligned_empty(numel, dtype, self.store.pin_memory)
+        return host_empty(numel, dtype, self.store.pin_memory)

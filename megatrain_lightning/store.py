@@ -18,36 +18,10 @@ import torch
 from torch import Tensor
 
 from megatrain_lightning.blocks import Block
+from megatrain_lightning.hostmem import host_empty
 from megatrain_lightning.stats import EngineStats
 
 log = logging.getLogger(__name__)
-
-ALIGNMENT = 4096  # bytes; O_DIRECT needs page alignment of addresses, offsets and lengths
-
-
-def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> Tensor:
-    """A 1-D host tensor whose first byte is ``ALIGNMENT``-aligned and whose storage extends to a
-    whole number of pages (so page-sized I/O into it stays inside it)."""
-    nbytes = numel * dtype.itemsize
-    padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
-    raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
-    start = -raw.data_ptr() % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype)
-
-
-def can_pin_memory() -> bool:
-    """Whether page-locked host memory is available; warns once when CUDA is there but pinning fails."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        torch.empty(1, pin_memory=True)
-        return True
-    except RuntimeError as err:  # memlock limits
-        log.warning(
-            f"megatrain: cannot pin host memory ({err}); using pageable memory, transfers will be slower."
-        )
-        return False
-
 
 class HostStore:
     """Per-block flat host buffers by kind (``param``, ``grad``, ``exp_avg``, ...), all in RAM."""
@@ -122,6 +96,6 @@ class HostStore:
                     dtype, numel = self.layout(block, kind)
                     # Only weights cross to the device; gradients and optimizer state stay pageable.
                     pinned = self.pin_memory and kind == "param"
-                    buf = aligned_empty(numel, dtype, pinned).zero_()
+                    buf = host_empty(numel, dtype, pinned)  # zeros: fresh pages
                     self._buffers[key] = buf
         return buf

@@ -50,7 +50,6 @@ from megatrain_lightning.preflight import (
     remove_empty_dirs,
 )
 from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import can_pin_memory
 
 _GB = 1e9
 COMPRESSIONS = ("none", "int8", "int4")
@@ -278,7 +277,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             num_slots=num_slots,
             prefetch_depth=max(num_slots - 1, 1) if self.prefetch_depth == "auto" else self.prefetch_depth,
             activation_checkpointing=self.activation_checkpointing,
-            pin_memory=self.root_device.type == "cuda" and can_pin_memory(),
+            pin_memory=self.root_device.type == "cuda",
             offload_dir=offload_dir,
             cache_bytes=cache_bytes,
             keep_offload_dir=self.keep_offload_dir,

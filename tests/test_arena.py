@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatrain_lightning.arena import Arena
-from megatrain_lightning.store import ALIGNMENT
+from megatrain_lightning.hostmem import ALIGNMENT
 
 PAGE = ALIGNMENT
 MB = 1 << 20

@@ -17,8 +17,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.blocks import Block, discover_blocks
 from megatrain_lightning.disk import STORE_DIRNAME, DiskStore
+from megatrain_lightning.hostmem import ALIGNMENT
 from megatrain_lightning.io import BlockFile, StoreIOError
-from megatrain_lightning.store import ALIGNMENT
 
 CASES = [
     # arch, activation checkpointing, accumulate_grad_batches, gradient clipping
