@@ -22,6 +22,7 @@ from megatrain_lightning.blocks import discover_blocks
 from megatrain_lightning.engine import Engine
 from megatrain_lightning.grads import HostGrads
 from megatrain_lightning.io import BlockFile
+from megatrain_lightning.pager import Pager
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
 
@@ -155,6 +156,18 @@ def test_failed_block_load_leaves_no_pin(model, plain, monkeypatch):
     )
     monkeypatch.undo()
     _then_fits_clean(model, plain, module, engine, max_vram_gb=3.2e-4)
+
+
+def test_failed_invalidate_before_an_update(model, plain, monkeypatch):
+    """``before_update`` (the pager forgetting the block's cached copy) raising: the update's future still
+    resolves, so the teardown's wait does not hang."""
+    module, strategy = UserLM(copy.deepcopy(model)), MegaTrainStrategy()
+    invalidate = _failing(Pager.invalidate, lambda self, block: block == 3, "injected invalidate failure")
+    monkeypatch.setattr(Pager, "invalidate", invalidate)
+    assert _fails(module, strategy, "injected invalidate failure") == []
+    _assert_clean(strategy.engine)
+    monkeypatch.undo()
+    _then_fits_clean(model, plain, module, strategy.engine)
 
 
 @pytest.mark.parametrize("io", ["read", "write"])
