@@ -11,7 +11,15 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import LossRecorder, UserLM, assert_same_training, fit_module, tiny_model, user_fit
+from conftest import (
+    LossRecorder,
+    UserLM,
+    assert_same_training,
+    fit_module,
+    tiny_model,
+    token_batches,
+    user_fit,
+)
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import (
     EMAWeightAveraging,
@@ -297,6 +305,35 @@ def test_gradient_accumulation_with_clipping(model, accumulation, clip):
     runs = [user_fit(model, strategy, **kwargs) for strategy in ("auto", MegaTrainStrategy())]
     assert runs[0].trainer.global_step == (4 + 2 if accumulation == "scheduler" else 8)
     assert_same_training(*runs)
+
+
+def test_lr_find_matches_and_restores_the_weights(model, tmp_path):
+    """``Tuner.lr_find`` (its own exponential schedule on the user's optimizer, then a restore)."""
+    from lightning.pytorch.tuner import Tuner
+
+    found, weights = [], []
+    for name, strategy in (("plain", "auto"), ("megatrain", MegaTrainStrategy())):
+        module = UserLM(copy.deepcopy(model))
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path / name,
+        )
+        batches = torch.utils.data.DataLoader(token_batches(8), batch_size=None)
+        torch.manual_seed(1)
+        finder = Tuner(trainer).lr_find(module, train_dataloaders=batches, num_training=6, update_attr=False)
+        found.append(finder.results)
+        weights.append(module.state_dict())
+    assert found[1] == found[0]
+    assert len(set(found[0]["loss"])) == 6
+    initial = UserLM(copy.deepcopy(model)).state_dict()
+    for name, value in initial.items():
+        assert torch.equal(weights[0][name], value) and torch.equal(weights[1][name], value), name
 
 
 # -- weight averaging: refused before training --
