@@ -24,9 +24,10 @@ from megatrain_lightning.timeline import TIMELINE
 
 
 class HostGrads:
-    """Host fp32 gradient accumulation. ``asynchronous`` (default: on CUDA) hands each offload to one worker
-    thread; on the CPU the gradients are already on the host and that worker only adds them (a mode for
-    tests of the asynchronous path). Only the compute thread calls ``offload``, ``flush`` and ``clear``."""
+    """Host fp32 gradient accumulation. ``asynchronous`` (default: on CUDA) hands each offload to one
+    worker thread; on the CPU the gradients are already on the host and that worker only adds them (a
+    mode for tests of the asynchronous path). ``offload``, ``flush`` and ``clear`` are never called at
+    once: the backward pass (in autograd's thread for the device) and the training loop take turns."""
 
     def __init__(
         self, store: HostStore, device: torch.device, stats: EngineStats, asynchronous: bool | None = None

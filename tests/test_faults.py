@@ -22,6 +22,7 @@ from megatrain_lightning.blocks import discover_blocks
 from megatrain_lightning.engine import Engine
 from megatrain_lightning.grads import HostGrads
 from megatrain_lightning.io import BlockFile
+from megatrain_lightning.pager import Pager
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
 
@@ -74,10 +75,14 @@ def _assert_clean(engine: Engine) -> None:
 
 
 def _fails(
-    module: UserLM, strategy: MegaTrainStrategy, match: str, error: type = RuntimeError
+    module: UserLM,
+    strategy: MegaTrainStrategy,
+    match: str,
+    error: type = RuntimeError,
+    recorder: LossRecorder | None = None,
 ) -> list[float]:
     """Fit ``module`` expecting ``error``; the losses of the micro-batches that completed."""
-    recorder = LossRecorder()
+    recorder = recorder or LossRecorder()
     with pytest.raises(error, match=match):
         fit_module(module, strategy, steps=STEPS, callbacks=[recorder])
     return recorder.losses
@@ -157,28 +162,38 @@ def test_failed_block_load_leaves_no_pin(model, plain, monkeypatch):
     _then_fits_clean(model, plain, module, engine, max_vram_gb=3.2e-4)
 
 
+def test_failed_invalidate_before_an_update(model, plain, monkeypatch):
+    """``before_update`` (the pager forgetting the block's cached copy) raising: the update's future still
+    resolves, so the teardown's wait does not hang."""
+    module, strategy = UserLM(copy.deepcopy(model)), MegaTrainStrategy()
+    invalidate = _failing(Pager.invalidate, lambda self, block: block == 3, "injected invalidate failure")
+    monkeypatch.setattr(Pager, "invalidate", invalidate)
+    assert _fails(module, strategy, "injected invalidate failure") == []
+    _assert_clean(strategy.engine)
+    monkeypatch.undo()
+    _then_fits_clean(model, plain, module, strategy.engine)
+
+
 @pytest.mark.parametrize("io", ["read", "write"])
 def test_failed_disk_io(model, plain, monkeypatch, tmp_path, io):
     # Two slots and a small cache: blocks and their optimizer state go to disk and come back every step.
     kwargs = {"offload_dir": tmp_path / "failed", "max_cpu_gb": 1.4e-3, "max_vram_gb": 3.2e-4}
     module, strategy = UserLM(copy.deepcopy(model)), MegaTrainStrategy(**kwargs)
-    calls = []
-
-    def fifth_call(self, offset, buf):
-        calls.append(offset)
-        return len(calls) == 5
+    calls, recorder, completed = [], LossRecorder(), []
 
     def failing(original):
         def io_call(self, offset, buf):
-            if fifth_call(self, offset, buf):
+            calls.append(offset)
+            if len(calls) == 5:
+                completed.append(len(recorder.losses))
                 raise OSError(errno.EIO, f"injected {io} failure")
             return original(self, offset, buf)
 
         return io_call
 
     monkeypatch.setattr(BlockFile, io, failing(getattr(BlockFile, io)))
-    _fails(module, strategy, f"injected {io} failure", error=OSError)
-    assert len(calls) >= 5
+    losses = _fails(module, strategy, f"injected {io} failure", error=OSError, recorder=recorder)
+    assert completed and len(losses) <= completed[0] + 1, "training went on after a failed transfer"
     _assert_clean(strategy.engine)
     monkeypatch.undo()
     fresh = kwargs | {"offload_dir": tmp_path / "fresh"}

@@ -11,7 +11,15 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import LossRecorder, UserLM, assert_same_training, fit_module, tiny_model, user_fit
+from conftest import (
+    LossRecorder,
+    UserLM,
+    assert_same_training,
+    fit_module,
+    tiny_model,
+    token_batches,
+    user_fit,
+)
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import (
     EMAWeightAveraging,
@@ -103,14 +111,19 @@ def test_every_lr_scheduler_steers_the_cpu_optimizer(model, name):
     assert_same_training(*runs)
 
 
-def test_the_cpu_optimizer_shares_the_users_param_groups(model):
-    module = UserLM(copy.deepcopy(model))
-    run = fit_module(module, MegaTrainStrategy(), steps=1)
+class KeepsItsOptimizer(UserLM):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.user_optimizer = super().configure_optimizers()
+        return self.user_optimizer
+
+
+def test_the_cpu_optimizer_shares_the_users_param_groups_and_class_name(model):
+    run = user_fit(model, MegaTrainStrategy(), steps=1, module_cls=KeepsItsOptimizer)
     optimizer = run.trainer.optimizers[0]
     assert isinstance(optimizer, CPUAdamW) and type(optimizer).__name__ == "AdamW"
-    scheduler = sched.LambdaLR(optimizer, lambda step: 0.5)
-    assert optimizer.param_groups[0]["lr"] == 0.5 * module.lr
-    scheduler.step()
+    groups = run.module.user_optimizer.param_groups
+    assert len(optimizer.param_groups) == len(groups)
+    assert all(ours is theirs for ours, theirs in zip(optimizer.param_groups, groups, strict=True))
 
 
 # -- LearningRateMonitor: the same keys as under the default strategy --
@@ -201,6 +214,17 @@ def test_second_fit_starts_a_fresh_optimizer_like_the_default_strategy(model, sa
     assert_same_training(*runs)
 
 
+def test_second_fit_with_compressed_moments_starts_from_zero_moments(model):
+    """The quantized moments an earlier fit left in the store are not read by the next optimizer."""
+    module = UserLM(copy.deepcopy(model))
+    fit_module(module, MegaTrainStrategy(optimizer_compression="int8"), steps=3)
+    fresh = UserLM(copy.deepcopy(model))
+    fresh.load_state_dict({k: v.clone() for k, v in module.state_dict().items()})
+    second = fit_module(module, MegaTrainStrategy(optimizer_compression="int8"), steps=3, seed=1)
+    reference = fit_module(fresh, MegaTrainStrategy(optimizer_compression="int8"), steps=3, seed=1)
+    assert_same_training(reference, second, loss_rtol=0, param_atol=0)
+
+
 # -- manual optimization: clip_gradients through the LightningOptimizer wrapper --
 
 
@@ -264,21 +288,52 @@ def test_manual_optimization_clip_gradients(model, clip, in_closure, every):
     assert diff > 1e-4, "the clipping must change the result"
 
 
-@pytest.mark.parametrize("clip", [("norm", 0.5), ("value", 2e-3)])
-def test_gradient_accumulation_scheduler_with_clipping(model, clip):
+@pytest.mark.parametrize(
+    ("accumulation", "clip"),
+    [("scheduler", ("norm", 0.5)), ("scheduler", ("value", 2e-3)), ("trainer", ("value", 2e-3))],
+)
+def test_gradient_accumulation_with_clipping(model, accumulation, clip):
+    """``GradientAccumulationScheduler`` (1 batch per step, then 2 from the second epoch) or
+    ``accumulate_grad_batches=2``, with the Trainer's clipping."""
     kwargs = dict(
-        steps=4,
-        max_steps=-1,
-        max_epochs=2,
-        gradient_clip_algorithm=clip[0],
-        gradient_clip_val=clip[1],
+        steps=4, max_steps=-1, max_epochs=2, gradient_clip_algorithm=clip[0], gradient_clip_val=clip[1]
     )
-    runs = [
-        user_fit(model, strategy, callbacks=[GradientAccumulationScheduler({1: 2})], **kwargs)
-        for strategy in ("auto", MegaTrainStrategy())
-    ]
-    assert runs[0].trainer.global_step == 4 + 2
+    if accumulation == "scheduler":
+        kwargs["callbacks"] = [GradientAccumulationScheduler({1: 2})]
+    else:
+        kwargs["accumulate_grad_batches"] = 2
+    runs = [user_fit(model, strategy, **kwargs) for strategy in ("auto", MegaTrainStrategy())]
+    assert runs[0].trainer.global_step == (4 + 2 if accumulation == "scheduler" else 8)
     assert_same_training(*runs)
+
+
+def test_lr_find_matches_and_restores_the_weights(model, tmp_path):
+    """``Tuner.lr_find`` (its own exponential schedule on the user's optimizer, then a restore)."""
+    from lightning.pytorch.tuner import Tuner
+
+    found, weights = [], []
+    for name, strategy in (("plain", "auto"), ("megatrain", MegaTrainStrategy())):
+        module = UserLM(copy.deepcopy(model))
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path / name,
+        )
+        batches = torch.utils.data.DataLoader(token_batches(8), batch_size=None)
+        torch.manual_seed(1)
+        finder = Tuner(trainer).lr_find(module, train_dataloaders=batches, num_training=6, update_attr=False)
+        found.append(finder.results)
+        weights.append(module.state_dict())
+    assert found[1] == found[0]
+    assert len(set(found[0]["loss"])) == 6
+    initial = UserLM(copy.deepcopy(model)).state_dict()
+    for name, value in initial.items():
+        assert torch.equal(weights[0][name], value) and torch.equal(weights[1][name], value), name
 
 
 # -- weight averaging: refused before training --

@@ -3,23 +3,25 @@
 The user's ``torch.optim.AdamW``/``Adam`` is rebuilt as this optimizer over the very same param-group
 dicts (which keep pointing at the module's parameters), so every LR scheduler, including one that
 holds the dicts itself (``SequentialLR``, ``ChainedScheduler``), steers it; the numbers live in the
-store. A block's update is submitted as soon as its
-gradients are final, which during the last backward of an accumulation window is while the
-backward of the other blocks still runs; with gradient clipping the updates wait until the
-global norm is known and then overlap the next forward. Either way a block is fetched again
-only after its update completed (``wait``), so results equal plain PyTorch AdamW.
+store. A block's update is submitted as soon as its gradients are final, which during the last
+backward of an accumulation window is while the backward of the other blocks still runs; with
+gradient clipping (and in manual optimization) the updates wait until the global norm is known and
+then overlap the next forward. Either way a block is fetched again only after its update completed
+(``wait``), so results equal plain PyTorch AdamW. A new optimizer starts from zero moments, like a
+new torch optimizer, whatever an earlier one left in the store.
 
 The update is torch's own functional Adam/AdamW, with the implementation the user chose
 (``foreach``/``fused``; the default on CPU is the single-tensor one), applied to runs of adjacent
 parameters of the flat buffers: the arithmetic, and so the result, is bitwise the reference's.
 ``fused=True`` is the fast choice.
 
-Threads: the compute thread runs forward/backward, submits updates (``block_ready``, ``step``) and
-waits; on CUDA the gradient-offload worker submits too (``block_ready`` after a block's gradients
-reached the host); the pager's prefetch worker waits (``wait``) before it loads a block; the pool's
-workers run the updates. ``_pending``, ``_submitted`` and ``_failure`` are shared between them under
-``_lock``; a block's step counters and store buffers are touched only by that block's update (or, by
-the compute thread, once it has waited for it).
+Threads: the compute thread (the training loop's, and autograd's in backward) runs forward and
+backward, submits updates (``block_ready``, ``step``) and waits; on CUDA the gradient-offload worker
+submits too (``block_ready`` once a block's gradients reached the host); the pager's prefetch worker
+waits (``wait``) before it loads a block; the pool's workers run the updates. ``_pending`` and
+``_submitted`` are shared between them under ``_lock``, the first failure in a :class:`_FirstFailure`;
+a block's step counters and store buffers are touched only by that block's update (or, by the compute
+thread, once it has waited for it).
 """
 
 from __future__ import annotations
@@ -67,6 +69,33 @@ class _GroupHparams:
     maximize: bool
     foreach: bool | None  # the implementation the user chose: results match it bitwise
     fused: bool | None
+
+
+class _FirstFailure:
+    """The first failed update of an optimizer. The weights are no longer one step's, so every later wait
+    raises it, in whichever thread, until the optimizer is closed. Shared with Lightning's wrapper of the
+    optimizer (a copy of its ``__dict__``), hence an object of its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def record(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def raise_if_any(self) -> None:
+        with self._lock:
+            error = self._error
+            self._reported = error is not None
+        if error is not None:
+            raise fresh_copy(error) from error
+
+    def log_unreported(self) -> None:
+        if self._error is not None and not self._reported:
+            log.error(f"megatrain: a block update failed and no one waited for it: {self._error!r}")
 
 
 @dataclass(frozen=True)
@@ -138,10 +167,7 @@ class CPUAdamW(Optimizer):
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}  # block -> its latest update (kept once done)
         self._submitted: set[int] = set()  # blocks submitted in the step running now
-        # The first failed update: the weights are no longer one step's, so every later wait raises it
-        # (whichever thread saw it first) until this optimizer is closed; ``_reported``: raised to someone.
-        self._failure: BaseException | None = None
-        self._reported = False
+        self._failure = _FirstFailure()
         self._in_step = False
         self._hparams: list[_GroupHparams] = []
         self._clip = _Clip()
@@ -271,14 +297,14 @@ class CPUAdamW(Optimizer):
             start = time.perf_counter()
             future.exception()  # waits without raising
             self.stats.optimizer_wait_s += time.perf_counter() - start
-        self._raise_failure()
+        self._failure.raise_if_any()
 
     def wait_all(self) -> None:
         with self._lock:
             futures = list(self._pending.values())
         for future in futures:
             future.exception()
-        self._raise_failure()
+        self._failure.raise_if_any()
 
     def wait_for_room(self) -> None:
         """Back-pressure for the backward pass: return once at most ``max_queued`` updates are queued or
@@ -290,7 +316,7 @@ class CPUAdamW(Optimizer):
             start = time.perf_counter()
             wait_for_any(queued, return_when=FIRST_COMPLETED)
             self.stats.optimizer_wait_s += time.perf_counter() - start
-        self._raise_failure()
+        self._failure.raise_if_any()
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -305,21 +331,7 @@ class CPUAdamW(Optimizer):
         for future in futures:
             future.exception()
         self._pool.shutdown(wait=True)
-        if self._failure is not None and not self._reported:
-            log.error(f"megatrain: a block update failed and nobody waited for it: {self._failure!r}")
-
-    def _raise_failure(self) -> None:
-        with self._lock:
-            failure = self._failure
-            self._reported = self._reported or failure is not None
-        if failure is not None:
-            raise fresh_copy(failure) from failure
-
-    def _fail(self, future: Future, err: BaseException) -> None:
-        with self._lock:
-            if self._failure is None:
-                self._failure = err
-        future.set_exception(err)
+        self._failure.log_unreported()
 
     # -- clipping (called by the precision plugin after the closure) --
 
@@ -385,7 +397,7 @@ class CPUAdamW(Optimizer):
     def _submit(self, block: int) -> None:
         """Queue ``block``'s update. Its future is registered first, so that a load of the block that
         starts after ``before_update`` forgot the cached copy waits for it; it resolves on every path."""
-        self._raise_failure()  # after a failed update nothing more changes
+        self._failure.raise_if_any()  # after a failed update nothing more changes
         future: Future = Future()
         with self._lock:
             self._submitted.add(block)
@@ -395,7 +407,9 @@ class CPUAdamW(Optimizer):
             self.store.claim(block, self.update_kinds)
             self._pool.submit(self._run, block, future, self._hparams, self._clip)
         except BaseException as err:
-            self._fail(future, fresh_copy(err))  # err's traceback holds this thread's frames (result_of)
+            # Kept as a copy: err's traceback holds this thread's frames (see ``result_of``).
+            self._failure.record(fresh_copy(err))
+            future.set_exception(fresh_copy(err))
             raise
 
     def _run(self, block: int, future: Future, hparams: list[_GroupHparams], clip: _Clip) -> None:
@@ -407,7 +421,8 @@ class CPUAdamW(Optimizer):
             self.stats.optimizer_s += end - start
             future.set_result(None)
         except BaseException as err:  # re-raised in whoever waits next
-            self._fail(future, err)
+            self._failure.record(err)
+            future.set_exception(err)
 
     @property
     def update_kinds(self) -> tuple[str, ...]:
