@@ -256,7 +256,7 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
             for spec, view in zip(block.params, block.views(flat), strict=True):
                 read_into(entries[spec.name], view)
         engine.store.written(block.index, ["param"])
-        engine.pager.invalidate(block.index)
+        engine.invalidate(block.index)
     for name, entry in ckpt.buffers().entries.items():
         module.get_buffer(name).copy_(read_tensor(entry))
 

@@ -66,6 +66,10 @@ class _Entry:
         return any(f is not None and not f.done() for f in (self.ready, self.writing))
 
 
+def _failed(future: Future | None) -> bool:
+    return future is not None and future.done() and future.exception() is not None
+
+
 class DiskStore(HostStore):
     def __init__(
         self,
@@ -153,9 +157,13 @@ class DiskStore(HostStore):
             yield {kind: entry.buf for (_, kind), entry in zip(keys, entries, strict=True)}
         finally:
             with self._cond:
-                for entry in entries:
+                for key, entry in zip(keys, entries, strict=True):
                     entry.holders.remove(me)
-                    entry.dirty |= write
+                    if _failed(entry.ready):  # never served again: the next pin reads anew
+                        if not entry.pins:
+                            self._evict(key, entry)
+                    else:
+                        entry.dirty |= write
                 self._cond.notify_all()
 
     def read(self, block: int, kind: str) -> Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -113,16 +114,24 @@ class Engine:
             return
         fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir")
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
-            raise RuntimeError(
+            raise MisconfigurationException(
                 f"megatrain: this model's store was built for {self.config.device} with offload_dir="
                 f"{self.config.offload_dir!r}; a later strategy must use the same device and tier."
             )
-        self.wait_all()
+        if self.optimizer is not None:  # a failure of its updates reached the user with the run it stopped
+            self.optimizer.close()
+            self.optimizer = None
+        self.grads.flush()
         self.pager.close()
+        del self.pager  # its slots are freed before the new pager allocates its own
         if isinstance(self.store, DiskStore):
             self.store.resize_cache(config.cache_bytes)
         self.config = config
         self.pager = self._make_pager(config)
+
+    def invalidate(self, block: int) -> None:
+        """``block``'s master weights are about to change: forget its device copy."""
+        self.pager.invalidate(block)
 
     def _make_pager(self, config: EngineConfig) -> Pager:
         return Pager(
@@ -280,7 +289,7 @@ class Engine:
                     del state[key]
                     self._loaded_keys.add(key)
         self.store.written(block, ["param"])
-        self.pager.invalidate(block)
+        self.invalidate(block)
 
     def _forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded_keys]

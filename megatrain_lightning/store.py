@@ -23,6 +23,7 @@ from megatrain_lightning.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
+
 class HostStore:
     """Per-block flat host buffers by kind (``param``, ``grad``, ``exp_avg``, ...), all in RAM."""
 

@@ -366,7 +366,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             store=engine.store,
             grads=engine.grads,
             locate=locate,
-            before_update=engine.pager.invalidate,
+            before_update=engine.invalidate,
             stats=engine.stats,
             compression=self.optimizer_compression,
             threads=self.optimizer_threads,
