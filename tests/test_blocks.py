@@ -75,7 +75,11 @@ def test_a_plain_pytorch_model_trains_like_plain_lightning():
     plain = user_fit(model, "auto")
     paged = user_fit(model, MegaTrainStrategy())
     assert_same_training(plain, paged)
-    assert _repeated(paged.trainer.strategy.engine.blocks) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert _repeated(paged.trainer.strategy.engine.blocks) == [
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+    ]
 
 
 @pytest.mark.parametrize(("arch", "layer"), [("biogpt", "layers"), ("openai-gpt", "h"), ("ctrl", "h")])
