@@ -1,8 +1,9 @@
 """Partition a model into blocks: the units whose parameters page together.
 
 A block is either one instance of a *block class* (for Hugging Face models the classes in
-``_no_split_modules``, e.g. ``LlamaDecoderLayer``) or, for parameters outside every such
-instance, the modules that own them directly (embeddings, final norm, head). Modules that
+``_no_split_modules``, e.g. ``LlamaDecoderLayer``; for other models the class of the repeated
+layer list) or, for parameters outside every such instance, the modules that own them directly
+(embeddings, final norm, head). Modules that
 share a parameter (GPT-2's tied ``wte``/``lm_head``) are merged into one block, so every
 parameter is stored exactly once.
 
@@ -83,13 +84,32 @@ def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _repeated_layer_class(model: nn.Module) -> str | None:
+    """The class of the model's repeated layers: the children of the ``nn.ModuleList`` of two or more
+    modules of one class that holds the most parameters (nested lists, e.g. experts, hold fewer)."""
+    best, best_numel = None, 0
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        classes = {type(child) for child in module}
+        numel = sum(p.numel() for p in module.parameters())
+        if len(classes) == 1 and numel > best_numel:
+            best, best_numel = classes.pop().__name__, numel
+    return best
+
+
 def _class_names(block_classes: Iterable[str | type] | None, model: nn.Module) -> set[str]:
+    """``block_classes`` if given, else the Hugging Face ``_no_split_modules`` that the model contains,
+    else the repeated layer class."""
     if block_classes:
         return {c if isinstance(c, str) else c.__name__ for c in block_classes}
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    return names
+    if names & {type(module).__name__ for module in model.modules()}:
+        return names
+    repeated = _repeated_layer_class(model)
+    return {repeated} if repeated else set()
 
 
 def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None = None) -> list[Block]:
@@ -97,8 +117,9 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     class_names = _class_names(block_classes, model)
     if not class_names:
         raise MisconfigurationException(
-            f"Cannot find the blocks of {type(model).__name__}: it names no `_no_split_modules`. Pass the "
-            "decoder-layer classes, e.g. `MegaTrainStrategy(block_classes=['LlamaDecoderLayer'])`."
+            f"Cannot find the blocks of {type(model).__name__}: it names no `_no_split_modules` and has no "
+            "repeated layer list (an `nn.ModuleList` of two or more layers of one class). Pass the layer "
+            "classes, e.g. `MegaTrainStrategy(block_classes=['LlamaDecoderLayer'])`."
         )
     block_roots: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
