@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatrain_lightning.hostmem import host_empty
+
 # In-place ops that draw from the global generator (``generator=None``).
 _RANDOM_OPS = frozenset(
     f"aten.{name}_"
@@ -90,7 +92,11 @@ class InitRecorder(TorchDispatchMode):
         rng_state = None
         if str(func.overloadpacket) in _RANDOM_OPS and kwargs.get("generator") is None:
             rng_state = torch.get_rng_state()
-            scratch = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype)
+            # An anonymous map, returned to the system when freed: heap scratch of every size stays in RSS.
+            extent = 1 + sum(
+                (size - 1) * stride for size, stride in zip(base.shape, base.stride(), strict=True)
+            )
+            scratch = host_empty(extent, base.dtype).as_strided(base.shape, base.stride())
             if geometry is not None:
                 scratch = scratch.as_strided(geometry[0], geometry[1], geometry[2])
             func(scratch, *args[1:], **kwargs)  # advance the generator as a plain build does
