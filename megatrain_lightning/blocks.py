@@ -134,13 +134,15 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     def in_block(name: str) -> bool:
         return any(name == r or name.startswith(r + ".") for r in block_roots)
 
-    # Modules outside every block that own parameters directly each become a call site.
+    # Modules outside every block that own parameters directly each become a call site, unless an outer
+    # one already is: its call binds every parameter below it (Inkling's embedding owns its own norm).
     owners: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if (
             not in_block(name)
             and module._parameters
             and any(p is not None for p in module._parameters.values())
+            and not any(name.startswith(outer + ".") for outer in owners if outer)
         ):
             owners.setdefault(name, module)
     for name in owners:

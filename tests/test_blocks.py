@@ -114,3 +114,30 @@ def test_a_model_without_a_repeated_layer_list_names_block_classes(model):
     with pytest.raises(MisconfigurationException, match="block_classes=") as error:
         discover_blocks(model)
     assert "repeated layer list" in str(error.value)
+
+
+class NormedEmbedding(nn.Embedding):
+    """An embedding that owns a parameter and a child module with parameters of its own (as Inkling's)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(super().forward(input_ids))
+
+
+class NormedEmbeddingLM(PlainLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = NormedEmbedding(256, 32)
+
+
+def test_a_parameter_owner_inside_another_is_paged_by_the_outer_call():
+    torch.manual_seed(0)
+    model = NormedEmbeddingLM()
+    embed_block = discover_blocks(model)[0]
+    assert [site.name for site in embed_block.sites] == ["embed"]
+    assert {p.name for p in embed_block.params} == {"embed.weight", "embed.norm.weight", "embed.norm.bias"}
+    plain = user_fit(model, "auto")
+    assert_same_training(plain, user_fit(model, MegaTrainStrategy()))
