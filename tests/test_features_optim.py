@@ -22,6 +22,7 @@ from conftest import (
 )
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import (
+    BaseFinetuning,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
     LearningRateMonitor,
@@ -349,3 +350,38 @@ def test_weight_averaging_callbacks_are_refused_before_training(model, callback)
     with pytest.raises(MisconfigurationException, match=f"does not support `{type(callback).__name__}`"):
         user_fit(model, MegaTrainStrategy(), callbacks=[callback, recorder])
     assert recorder.losses == []
+
+
+class UnfreezeLastLayer(BaseFinetuning):
+    """Lightning's fine-tuning callback: the last decoder layer frozen, unfrozen as a new param group."""
+
+    def freeze_before_training(self, pl_module) -> None:
+        self.freeze(pl_module.model.model.layers[-1])
+
+    def finetune_function(self, pl_module, current_epoch, optimizer) -> None:
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.model.layers[-1], optimizer, lr=1e-3)
+
+
+class FrozenAtStartLM(UserLM):
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def test_base_finetuning_unfreezes_into_a_new_param_group():
+    model = tiny_model("llama")
+    kwargs = dict(module_cls=FrozenAtStartLM, steps=6, max_epochs=2, limit_train_batches=3)
+    plain = user_fit(model, "auto", callbacks=[UnfreezeLastLayer()], **kwargs)
+    paged = user_fit(model, MegaTrainStrategy(), callbacks=[UnfreezeLastLayer()], **kwargs)
+    assert_same_training(plain, paged)
+
+
+class ForeignTensorLM(UserLM):
+    def configure_optimizers(self):
+        extra = torch.nn.Parameter(torch.zeros(3))
+        return torch.optim.AdamW([*self.parameters(), extra], lr=self.lr)
+
+
+def test_an_optimizer_over_tensors_outside_the_module_is_refused_before_training():
+    with pytest.raises(MisconfigurationException, match="not a parameter of the LightningModule"):
+        user_fit(tiny_model("llama"), MegaTrainStrategy(), module_cls=ForeignTensorLM)
