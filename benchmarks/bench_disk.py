@@ -69,9 +69,9 @@ from bench_engine import (  # noqa: E402
 )
 
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
-from megatrain_lightning.hostmem import ALIGNMENT, host_empty  # noqa: E402
-from megatrain_lightning.io import BlockFile, IOConfig  # noqa: E402
 from megatrain_lightning.models import llama_config  # noqa: E402
+from megatrain_lightning.store.io import BlockFile, IOConfig  # noqa: E402
+from megatrain_lightning.store.memory import ALIGNMENT, host_empty  # noqa: E402
 
 GB = 1e9
 EFFICIENCY_GOAL = 0.85  # store GB/s / disk GB/s, at least

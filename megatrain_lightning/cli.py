@@ -20,11 +20,18 @@ from collections.abc import Callable
 from lightning.pytorch.cli import LightningCLI
 
 import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
-from megatrain_lightning.checkpoint import convert_checkpoint
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.hf import export_hf
 from megatrain_lightning.models import CausalLMModule
-from megatrain_lightning.planner import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, format_plan, plan_for
+from megatrain_lightning.planner.plan import (
+    COMPRESSIONS,
+    DTYPE_BYTES,
+    Machine,
+    Workload,
+    format_plan,
+    plan_for,
+)
+from megatrain_lightning.serialization.checkpoint import convert_checkpoint
+from megatrain_lightning.serialization.hf import export_hf
 
 # The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.
 DEFAULT_STRATEGY = {"class_path": "megatrain_lightning.MegaTrainStrategy"}

@@ -21,16 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from megatrain_lightning import checkpoint as checkpointing
-from megatrain_lightning.blocks import Block
-from megatrain_lightning.checkpoint import hf_model
-from megatrain_lightning.disk import DiskStore, region_bytes
-from megatrain_lightning.engine import Engine, EngineConfig
-from megatrain_lightning.io import IOConfig
-from megatrain_lightning.meta import init_on_meta
+from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.optim import CPUAdamW
 from megatrain_lightning.optim.adamw import rebind_scheduler
-from megatrain_lightning.planner import (
+from megatrain_lightning.planner.plan import (
     MASTER_BYTES,
     STATE_BYTES,
     Machine,
@@ -40,7 +34,13 @@ from megatrain_lightning.planner import (
     plan_for,
 )
 from megatrain_lightning.precision import MegaTrainPrecision
-from megatrain_lightning.preflight import (
+from megatrain_lightning.serialization import checkpoint as checkpointing
+from megatrain_lightning.serialization.checkpoint import hf_model
+from megatrain_lightning.serialization.meta import init_on_meta
+from megatrain_lightning.store.disk import DiskStore, region_bytes
+from megatrain_lightning.store.io import IOConfig
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_disk_space,
     check_host_ram,
@@ -49,7 +49,7 @@ from megatrain_lightning.preflight import (
     prepare_offload_dir,
     remove_empty_dirs,
 )
-from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.telemetry.stats import EngineStats
 
 _GB = 1e9
 COMPRESSIONS = ("none", "int8", "int4")
@@ -454,7 +454,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """A checkpoint directory at ``filepath`` (see :mod:`megatrain_lightning.checkpoint`)."""
+        """A checkpoint directory at ``filepath`` (:mod:`megatrain_lightning.serialization.checkpoint`)."""
         engine = self.engine
         assert engine is not None
         engine.wait_all()

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from zoo import tiny_zoo_model
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.engine.blocks import discover_blocks
 
 
 class Expert(nn.Module):

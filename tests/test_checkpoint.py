@@ -18,12 +18,12 @@ from conftest import peak_rss_script, tiny_model
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy, open_checkpoint
-from megatrain_lightning.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.hf import export_hf, from_pretrained
+from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.models import CausalLMModule, tiny_config
-from megatrain_lightning.placeholders import ParamPlaceholder
-from megatrain_lightning.safetensors_io import SafetensorsError, sha256_file
+from megatrain_lightning.serialization.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
+from megatrain_lightning.serialization.hf import export_hf, from_pretrained
+from megatrain_lightning.serialization.safetensors_io import SafetensorsError, sha256_file
 
 
 def _trainer(strategy=None, **kwargs) -> L.Trainer:

@@ -17,14 +17,14 @@ import torch
 from conftest import LossRecorder, UserLM, assert_same_training, fit_module, tiny_model, user_fit
 
 from megatrain_lightning import CPUAdamW, MegaTrainStrategy
-from megatrain_lightning import engine as engine_module
-from megatrain_lightning.blocks import discover_blocks
-from megatrain_lightning.engine import Engine
-from megatrain_lightning.grads import HostGrads
-from megatrain_lightning.io import BlockFile
-from megatrain_lightning.pager import Pager
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
+from megatrain_lightning.engine import runtime as engine_module
+from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.pager import Pager
+from megatrain_lightning.engine.runtime import Engine
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.io import BlockFile
+from megatrain_lightning.telemetry.stats import EngineStats
 
 STEPS = 3
 

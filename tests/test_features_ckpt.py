@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import megatrain_lightning
 from megatrain_lightning import MegaTrainStrategy, convert_checkpoint, open_checkpoint
-from megatrain_lightning.checkpoint import CheckpointError, is_checkpoint_dir
 from megatrain_lightning.cli import main as cli_main
+from megatrain_lightning.serialization.checkpoint import CheckpointError, is_checkpoint_dir
 
 TRAIN = token_batches(3)  # one epoch: three optimizer steps
 VAL = token_batches(2, seed=1)
@@ -183,7 +183,7 @@ def test_a_compressed_checkpoint_opens_with_decoded_moments(trained, tmp_path):
 
 
 def test_open_checkpoint_refuses_what_does_not_fit_in_ram(trained, monkeypatch):
-    monkeypatch.setattr(megatrain_lightning.checkpoint, "available_ram_bytes", lambda: 1000)
+    monkeypatch.setattr(megatrain_lightning.serialization.checkpoint, "available_ram_bytes", lambda: 1000)
     with pytest.raises(CheckpointError, match="megatrain export"):
         open_checkpoint(trained["megatrain"][1])
 

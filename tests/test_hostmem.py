@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from megatrain_lightning import hostmem
+from megatrain_lightning.store import memory as hostmem
 
 
 class FakeCudart:

@@ -267,7 +267,7 @@ def _first_losses(make_module, strategy: str, steps: int = 2) -> list[float]:
             id="user-configure_model",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="needs megatrain_lightning.init.InitRecorder around the strategy's tensor_init_context",
+                reason="needs megatrain_lightning.serialization.initialization.InitRecorder around the strategy's tensor_init_context",
             ),
         ),
     ],

@@ -15,8 +15,8 @@ from torch import nn
 import megatrain_lightning  # noqa: F401  (registers "megatrain")
 from megatrain_lightning import CPUAdamW, MegaTrainPrecision, MegaTrainStrategy
 from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.models import CausalLMModule, tiny_config
-from megatrain_lightning.placeholders import ParamPlaceholder
 
 
 def _trainer(strategy="megatrain", **kwargs) -> L.Trainer:
@@ -212,8 +212,8 @@ def test_tiny_configs_cover_the_block_classes():
 
 
 def test_auto_budgets_come_from_the_planner():
-    from megatrain_lightning.checkpoint import hf_model
-    from megatrain_lightning.planner import Machine, ModelShape, Workload, plan_for
+    from megatrain_lightning.planner.plan import Machine, ModelShape, Workload, plan_for
+    from megatrain_lightning.serialization.checkpoint import hf_model
 
     run = fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
     engine = run.trainer.strategy.engine
@@ -226,7 +226,7 @@ def test_auto_budgets_come_from_the_planner():
 def test_a_forward_without_backward_frees_its_graph_without_the_garbage_collector(checkpointing):
     """Evaluation with gradients on (or a discarded loss) must not leave graphs behind: a reference
     cycle through autograd's C++ nodes is invisible to the collector and would keep slots alive."""
-    from megatrain_lightning.engine import Engine, EngineConfig
+    from megatrain_lightning.engine.runtime import Engine, EngineConfig
 
     model = tiny_model("llama")
     config = EngineConfig(device=torch.device("cpu"), num_slots=2, activation_checkpointing=checkpointing)

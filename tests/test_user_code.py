@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.placeholders import ParamPlaceholder
+from megatrain_lightning.engine.placeholders import ParamPlaceholder
 
 
 class GradModeLayer(nn.Module):

@@ -42,14 +42,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
-from megatrain_lightning.blocks import align_up
-from megatrain_lightning.futures import fresh_copy
-from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.engine.futures import fresh_copy
+from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim.quantized import quantized_adamw_
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
-from megatrain_lightning.timeline import TIMELINE
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.layout import align_up
+from megatrain_lightning.telemetry.stats import EngineStats
+from megatrain_lightning.telemetry.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatrain_lightning.hostmem import host_empty
+from megatrain_lightning.store.memory import host_empty
 
 # In-place ops that draw from the global generator (``generator=None``).
 _RANDOM_OPS = frozenset(

@@ -3,7 +3,7 @@
 Each block owns one flat, page-aligned fp32 buffer of master weights (kind ``"param"``) and,
 beside it, flat buffers of the same layout for gradients and optimizer state (other kinds).
 Everything that reads or writes a block's numbers goes through ``pinned``, so the disk tier
-(:class:`megatrain_lightning.disk.DiskStore`) only changes where these buffers live and when
+(:class:`megatrain_lightning.store.disk.DiskStore`) only changes where these buffers live and when
 they move. In this host tier every buffer stays in RAM for the store's whole life.
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from megatrain_lightning.blocks import Block
-from megatrain_lightning.hostmem import host_empty
-from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.memory import host_empty
+from megatrain_lightning.telemetry.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from megatrain_lightning.futures import fresh_copy
-from megatrain_lightning.hostmem import host_empty
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
-from megatrain_lightning.timeline import TIMELINE
+from megatrain_lightning.engine.futures import fresh_copy
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.memory import host_empty
+from megatrain_lightning.telemetry.stats import EngineStats
+from megatrain_lightning.telemetry.timeline import TIMELINE
 
 
 class HostGrads:

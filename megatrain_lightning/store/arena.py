@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from megatrain_lightning.hostmem import ALIGNMENT, host_empty
+from megatrain_lightning.store.memory import ALIGNMENT, host_empty
 
 _SMALL = 1 << 20  # bytes; regions below this are placed from the top
 

@@ -5,9 +5,9 @@ binds the block's slot views into the module, runs, and unbinds. With autograd i
 through :class:`_PagedCall`, an autograd function whose backward fetches the block again,
 recomputes the block (activation checkpointing) or replays its saved graph with the weights
 rebound to the new slot, computes the block's parameter gradients and offloads them at once.
-Between calls the module holds placeholders (:mod:`megatrain_lightning.placeholders`) in place of
+Between calls the module holds placeholders (:mod:`megatrain_lightning.engine.placeholders`) in place of
 its parameters: shapes, device and dtype for whoever asks, no storage anywhere but the store. What a
-block's recompute may see is :mod:`megatrain_lightning.recompute`'s rule.
+block's recompute may see is :mod:`megatrain_lightning.engine.recompute`'s rule.
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from megatrain_lightning.blocks import Block, CallSite, discover_blocks
-from megatrain_lightning.disk import DiskStore
-from megatrain_lightning.grads import HostGrads
-from megatrain_lightning.hf import find_entry, weight_sources
-from megatrain_lightning.io import IOConfig
-from megatrain_lightning.pager import Pager
-from megatrain_lightning.placeholders import ParamPlaceholder, weight_source_of
-from megatrain_lightning.recompute import ForwardState, discarding_saved_tensors, training_arguments
-from megatrain_lightning.safetensors_io import read_into
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
-from megatrain_lightning.timeline import TIMELINE
-from megatrain_lightning.trace import UpdateCadence
+from megatrain_lightning.engine.blocks import CallSite, discover_blocks
+from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.pager import Pager
+from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
+from megatrain_lightning.engine.recompute import ForwardState, discarding_saved_tensors, training_arguments
+from megatrain_lightning.engine.trace import UpdateCadence
+from megatrain_lightning.serialization.hf import find_entry, weight_sources
+from megatrain_lightning.serialization.safetensors_io import read_into
+from megatrain_lightning.store.disk import DiskStore
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.io import IOConfig
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.telemetry.stats import EngineStats
+from megatrain_lightning.telemetry.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class Engine:
         while self._uninstall:
             self._uninstall.pop()()
 
-    # -- what placeholders ask (see megatrain_lightning.placeholders) --
+    # -- what placeholders ask (see megatrain_lightning.engine.placeholders) --
 
     def read_param(self, block: int, index: int) -> Tensor:
         """A copy of one parameter's current master weights."""

@@ -19,11 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from megatrain_lightning.futures import result_of
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
-from megatrain_lightning.timeline import TIMELINE
-from megatrain_lightning.trace import Trace
+from megatrain_lightning.engine.futures import result_of
+from megatrain_lightning.engine.trace import Trace
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.telemetry.stats import EngineStats
+from megatrain_lightning.telemetry.timeline import TIMELINE
 
 _NEVER = float("inf")
 

@@ -31,11 +31,10 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from megatrain_lightning.hf import WeightFiles
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim.adamw import COMPRESSIONS
-from megatrain_lightning.preflight import available_ram_bytes
-from megatrain_lightning.safetensors_io import (
+from megatrain_lightning.serialization.hf import WeightFiles
+from megatrain_lightning.serialization.safetensors_io import (
     SafetensorsError,
     ShardWriter,
     TensorEntry,
@@ -44,6 +43,7 @@ from megatrain_lightning.safetensors_io import (
     read_tensor,
     sha256_file,
 )
+from megatrain_lightning.store.preflight import available_ram_bytes
 
 FORMAT = "megatrain-checkpoint"
 MANIFEST = "manifest.json"

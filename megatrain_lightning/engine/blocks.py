@@ -14,22 +14,12 @@ site per module that reaches its parameters (two for a tied embedding/head block
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """Where one parameter lives inside its block's flat buffer."""
-
-    name: str
-    shape: torch.Size
-    offset: int
-    numel: int
-    requires_grad: bool
+from megatrain_lightning.store.layout import SMALL_PARAM, Block, ParamSpec, align_up
 
 
 @dataclass(frozen=True)
@@ -54,34 +44,6 @@ class CallSite:
     def param_indices(self) -> list[int]:
         """Block parameters this call site reaches, each once, in first-seen order."""
         return list(dict.fromkeys(b.index for b in self.bindings))
-
-
-@dataclass(eq=False)
-class Block:
-    """A paging unit. Its flat layout puts large parameters first and small ones (under
-    ``SMALL_PARAM`` elements: norms, biases) after ``large_numel``, each starting on an
-    ``ALIGN``-element boundary, so that block-wise quantized optimizer state covers whole
-    parameters and small ones can keep fp32 state."""
-
-    index: int
-    name: str
-    params: list[ParamSpec] = field(default_factory=list)
-    sites: list[CallSite] = field(default_factory=list)
-    numel: int = 0  # length of the flat buffer, padding included
-    large_numel: int = 0  # where the small parameters begin
-    repeated: bool = False  # an instance of a block class (a decoder layer), not embeddings/head
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's shaped view into a flat buffer of this block's layout."""
-        return [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params]
-
-
-ALIGN = 256  # elements; a multiple of every quantization block size
-SMALL_PARAM = 4096
-
-
-def align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _repeated_layer_class(model: nn.Module) -> str | None:
