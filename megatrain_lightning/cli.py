@@ -31,7 +31,7 @@ from megatrain_lightning.planner.plan import (
     plan_for,
 )
 from megatrain_lightning.serialization.checkpoint import convert_checkpoint
-from megatrain_lightning.serialization.hf import export_hf
+from megatrain_lightning.serialization.export import export_hf
 
 # The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.
 DEFAULT_STRATEGY = {"class_path": "megatrain_lightning.MegaTrainStrategy"}

@@ -35,7 +35,7 @@ from megatrain_lightning.planner.plan import (
 )
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
-from megatrain_lightning.serialization.checkpoint import hf_model
+from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.serialization.meta import init_on_meta
 from megatrain_lightning.store.disk import DiskStore, region_bytes
 from megatrain_lightning.store.io import IOConfig

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim.adamw import COMPRESSIONS
-from megatrain_lightning.serialization.hf import WeightFiles
+from megatrain_lightning.serialization.hf import WeightFiles, hf_model
 from megatrain_lightning.serialization.safetensors_io import (
     SafetensorsError,
     ShardWriter,
@@ -81,18 +81,6 @@ def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
             if buf is not None and name not in sub._non_persistent_buffers_set:
                 buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu()
     return buffers
-
-
-def hf_model(module: nn.Module) -> tuple[str, Any] | None:
-    """``(state-dict prefix, model)`` of the outermost Hugging Face model inside ``module``."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
-    for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel):
-            return (f"{name}." if name else ""), sub
-    return None
 
 
 class CheckpointWriter:
