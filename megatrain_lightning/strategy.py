@@ -37,7 +37,8 @@ from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
 from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.serialization.meta import init_on_meta
-from megatrain_lightning.store.disk import DiskStore, region_bytes
+from megatrain_lightning.store import sizing
+from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.preflight import (
@@ -259,14 +260,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         Options left to ``None``/``"auto"`` take the planner's settings for this machine."""
         dtype = self.precision_plugin.compute_dtype
         auto = self._plan(blocks, dtype)
-        slot_bytes = max(b.numel for b in blocks) * dtype.itemsize
         if self.max_vram_gb is not None:
-            num_slots = int(self.max_vram_gb * _GB // slot_bytes)
-            if num_slots < 1:
-                raise MisconfigurationException(
-                    f"`max_vram_gb={self.max_vram_gb}` is smaller than the largest block "
-                    f"({slot_bytes / _GB:.3g} GB in the compute dtype); raise it to at least that."
-                )
+            num_slots = sizing.num_slots_for(self.max_vram_gb, blocks, dtype.itemsize)
         else:
             num_slots = auto.num_slots if auto is not None else len(blocks)
         num_slots = max(1, min(num_slots, len(blocks)))
@@ -308,25 +303,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             path = os.path.join(self.lightning_module.trainer.default_root_dir, "megatrain_offload")
         self._created_dirs = missing_dirs(path)
         path = prepare_offload_dir(path)
-        one_kind = region_bytes(blocks)
-        # Files: master weights, Adam m and v, the gradient accumulator, per-pass sums of tied blocks.
-        tied = region_bytes([b for b in blocks if len(b.sites) > 1])
-        check_disk_space(path, 4 * one_kind + tied)
-        largest = 4 * max(b.numel for b in blocks)
-        # In use at once: fetches into every slot, each optimizer thread's param/grad/m/v, offloads.
-        working_set = (num_slots + 4 * self.optimizer_threads + 3) * largest
-        if self.max_cpu_gb is not None:
-            cache = int(self.max_cpu_gb * _GB)
-        elif auto is not None:
-            cache = max(working_set, int(auto.cache_gb * _GB))
+        check_disk_space(path, sizing.disk_files_bytes(blocks))
+        if auto is not None:
+            default = int(auto.cache_gb * _GB)
         else:
-            cache = max(working_set, min(4 * one_kind, available_ram_bytes() // 2))
-        if cache < working_set:
-            raise MisconfigurationException(
-                f"`max_cpu_gb={self.max_cpu_gb}` cannot hold the blocks in use at once ({num_slots} slots, "
-                f"{self.optimizer_threads} optimizer threads: {working_set / _GB:.3g} GB). Raise it to at "
-                "least that, or lower `max_vram_gb`/`optimizer_threads`."
-            )
+            default = min(sizing.disk_files_bytes(blocks), available_ram_bytes() // 2)
+        cache = sizing.cache_bytes_for(blocks, num_slots, self.optimizer_threads, self.max_cpu_gb, default)
         return path, cache
 
     def _remove_created_dirs_with_store(self) -> None:
@@ -433,7 +415,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             return super().lightning_module_state_dict()
         if _called_by_checkpoint_connector():
             return {}
-        need = region_bytes(self.engine.blocks)
+        need = sizing.region_bytes(self.engine.blocks)
         available = available_ram_bytes()
         if need > available:
             raise MisconfigurationException(
