@@ -22,8 +22,8 @@ from torch import nn
 from typing_extensions import override
 
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
-from megatrain_lightning.optim import CPUAdamW
-from megatrain_lightning.optim.adamw import rebind_scheduler
+from megatrain_lightning.optim import state_dict as adam_state
+from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
 from megatrain_lightning.planner.plan import (
     MASTER_BYTES,
     STATE_BYTES,
@@ -343,7 +343,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         locate = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             locate[id(param)] = engine.locations[name]
-        optimizer = CPUAdamW.from_optimizer(
+        optimizer = cpu_adamw_from(
             self.optimizers[0],
             store=engine.store,
             grads=engine.grads,
@@ -430,7 +430,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Only the param groups: ``save_checkpoint`` streams the per-block state itself."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return {"state": {}, "param_groups": optimizer.param_groups_state()}
+        return {"state": {}, "param_groups": adam_state.param_groups_state(optimizer)}
 
     @override
     def save_checkpoint(
@@ -492,7 +492,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                     "`MegaTrainStrategy(optimizer_compression='none')` (and save again to compress)."
                 )
             return super().load_optimizer_state_dict(checkpoint)
-        optimizer.load_param_groups(checkpoint["optimizer_states"][0]["param_groups"])
+        adam_state.load_param_groups(optimizer, checkpoint["optimizer_states"][0]["param_groups"])
         checkpointing.load_optimizer(ckpt, self.engine, optimizer)
 
     # -- the end --
