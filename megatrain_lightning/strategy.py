@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
@@ -17,7 +16,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -25,10 +23,6 @@ from megatrain_lightning import budgets
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
-from megatrain_lightning.planner.plan import (
-    MASTER_BYTES,
-    STATE_BYTES,
-)
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
 from megatrain_lightning.serialization.meta import init_on_meta
@@ -353,7 +347,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         checkpointing gets nothing here: ``save_checkpoint`` streams the weights block by block."""
         if self.offload_dir is None or self.engine is None:
             return super().lightning_module_state_dict()
-        if _called_by_checkpoint_connector():
+        if checkpointing.called_by_checkpoint_connector():
             return {}
         need = sizing.region_bytes(self.engine.blocks)
         available = available_ram_bytes()
@@ -384,20 +378,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         state["megatrain_rng"] = torch.get_rng_state()
         optimizer = engine.optimizer if checkpoint.get("optimizer_states") else None
         if not self._checkpoint_size_logged:
-            self._log_checkpoint_size(os.fspath(filepath), with_optimizer=optimizer is not None)
+            self._checkpoint_size_logged = True
+            checkpointing.announce_size(os.fspath(filepath), engine, optimizer)
         checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer)
-
-    def _log_checkpoint_size(self, path: str, with_optimizer: bool) -> None:
-        """Say once, before the first is written, how large each checkpoint is and where it goes: a full
-        checkpoint of a large model is many GB (fp32 weights and Adam state); callbacks may keep several."""
-        self._checkpoint_size_logged = True
-        numel = sum(p.numel for block in self.engine.blocks for p in block.params)
-        per_param = MASTER_BYTES + (STATE_BYTES[self.optimizer_compression] if with_optimizer else 0.0)
-        what = "fp32 weights and optimizer state" if with_optimizer else "fp32 weights"
-        rank_zero_info(
-            f"megatrain: each checkpoint holds {what}, about {numel * per_param / _GB:.3g} GB; "
-            f"writing {os.path.abspath(path)}"
-        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -470,12 +453,3 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             description="megatrain with the store on disk under <default_root_dir>/megatrain_offload",
             offload_dir="auto",
         )
-
-
-def _called_by_checkpoint_connector() -> bool:
-    """Whether Lightning's ``dump_checkpoint`` asks for the state dict (it goes to ``save_checkpoint``,
-    which streams the weights itself and drops it)."""
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
-    caller = sys._getframe(2).f_locals.get("self")
-    return isinstance(caller, _CheckpointConnector)

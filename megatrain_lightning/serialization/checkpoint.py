@@ -24,11 +24,13 @@ import json
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from megatrain_lightning.optim import codecs
@@ -368,3 +370,26 @@ def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
                 "exp_avg_sq": v[offset:end].view(shape).clone(),
             }
     return dict(sorted(state.items()))
+
+
+def announce_size(path: str, engine: Any, optimizer: Any) -> None:
+    """Say, before the first checkpoint is written, how large each is and where it goes: a full checkpoint
+    of a large model is many GB (fp32 weights and Adam state), and callbacks may keep several."""
+    weights = sum(4 * p.numel for block in engine.blocks for p in block.params)
+    state = optimizer.state_bytes() if optimizer is not None else 0
+    what = "fp32 weights and optimizer state" if optimizer is not None else "fp32 weights"
+    rank_zero_info(
+        f"megatrain: each checkpoint holds {what}, about {(weights + state) / 1e9:.3g} GB; "
+        f"writing {os.path.abspath(path)}"
+    )
+
+
+def called_by_checkpoint_connector() -> bool:
+    """Whether Lightning's ``dump_checkpoint`` asks the strategy for the state dict (it goes on to
+    ``save_checkpoint``, which streams the weights itself and drops it). Lightning calls no hook of the
+    strategy first, so this looks at the caller; ``test_disk_tier_state_dict_is_a_full_copy_or_a_clear_error``
+    fails if a Lightning release changes it."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    caller = sys._getframe(2).f_locals.get("self")  # 0: here, 1: lightning_module_state_dict
+    return isinstance(caller, _CheckpointConnector)
