@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.optim import CPUAdamW
+from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
 

@@ -1,7 +1,7 @@
 """megatrain_lightning: train models larger than GPU memory with ``Trainer(strategy="megatrain")``."""
 
 from megatrain_lightning.hf_trainer import Trainer, init
-from megatrain_lightning.optim import CPUAdamW
+from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization.checkpoint import convert_checkpoint, open_checkpoint
 from megatrain_lightning.serialization.export import export_hf
