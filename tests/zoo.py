@@ -165,9 +165,11 @@ ZOO_OVERRIDES: dict[str, dict[str, Any]] = {
         index_block_size=4,
         index_topk_blocks=2,
     ),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
     "nemotron_h": dict(
         mamba_num_heads=8, mamba_head_dim=16, n_groups=1, moe_shared_expert_intermediate_size=HIDDEN
     ),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "qwen4_exp_text": dict(
         hc_lowrank=16,
         indexer_n_heads=2,
@@ -176,6 +178,7 @@ ZOO_OVERRIDES: dict[str, dict[str, Any]] = {
         indexer_budget=8,
         indexer_compress_ratio=4,
     ),
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=32),
 }
 
 # Architectures in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES that the zoo leaves out, and why.
@@ -242,6 +245,8 @@ EXCLUDED: dict[str, str] = {
         ("emu3", "fuyu", "git", "got_ocr2", "mllama", "moss_transcribe_diarize", "phi4_multimodal"),
         _MULTIMODAL,
     ),
+    "xlstm": "the default call (`use_cache=True`) fails to backward in transformers itself, under plain "
+    "PyTorch (its chunkwise kernel updates the recurrent state in place)",
     "blt": "Byte Latent Transformer: entropy patcher plus local encoder/decoder and global sub-models (four sub-configs)",
     "musicgen": "audio-codebook decoder: takes (batch x codebooks) token ids and a text-encoder config",
     "musicgen_melody": "audio-codebook decoder: takes (batch x codebooks) token ids and a text-encoder config",
