@@ -96,15 +96,16 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     def in_block(name: str) -> bool:
         return any(name == r or name.startswith(r + ".") for r in block_roots)
 
-    # Modules outside every block that own parameters directly each become a call site, unless an outer
-    # one already is: its call binds every parameter below it (Inkling's embedding owns its own norm).
+    # Modules outside every block that own parameters directly each become a call site, unless an
+    # enclosing one does: its call site already binds their parameters, and a call site nested in
+    # another of the same block would release the block while the outer one still uses it.
     owners: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if (
             not in_block(name)
+            and not any(name.startswith(owner + ".") for owner in owners)
             and module._parameters
             and any(p is not None for p in module._parameters.values())
-            and not any(name.startswith(outer + ".") for outer in owners if outer)
         ):
             owners.setdefault(name, module)
     for name in owners:
