@@ -102,17 +102,28 @@ class ModelShape:
 
     @classmethod
     def from_blocks(cls, block_numels: Sequence[int], config: PretrainedConfig) -> ModelShape:
-        """From the engine's blocks (``[b.numel for b in blocks]``) and the model's config."""
+        """From the engine's blocks (``[b.numel for b in blocks]``) and the model's (text) config; widths
+        given per layer (Gemma-3n, Gemma-4) count at their largest."""
+        config = config.get_text_config()
         hidden = config.hidden_size
-        if hasattr(config, "moe_intermediate_size"):
-            width = config.moe_intermediate_size * config.num_experts_per_tok
-            width += getattr(config, "shared_expert_intermediate_size", 0) or 0
+        experts = _largest(getattr(config, "num_experts_per_tok", None)) or 1
+        if getattr(config, "moe_intermediate_size", None):
+            width = _largest(config.moe_intermediate_size) * experts
+            width += _largest(getattr(config, "shared_expert_intermediate_size", None)) or 0
         else:
             width = (
-                getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-            )
-            width *= getattr(config, "num_experts_per_tok", 1)
+                _largest(getattr(config, "intermediate_size", None))
+                or _largest(getattr(config, "n_inner", None))
+                or 4 * hidden
+            ) * experts
         return cls(tuple(block_numels), hidden, width, config.num_hidden_layers, config.vocab_size)
+
+
+def _largest(value: int | Sequence[int] | None) -> int | None:
+    """A config width that may be given per layer."""
+    if isinstance(value, (list, tuple)):
+        return max(value, default=None)
+    return value
 
 
 @dataclass(frozen=True)
