@@ -367,7 +367,7 @@ def _count(n: int) -> str:
 
 LEGEND = (
     "GPU GB: GPU memory used: plain AdamW fp32 weights, gradients, Adam state and activations; ZeRO-Offload",
-    "  weights in the compute dtype and activations; megatrain its slots (slots x GB per slot) and activations.",
+    "  weights in the compute dtype and activations; megatrain its slots (slots x slot GB) and activations.",
     "host GB: RAM used: ZeRO-Offload fp32 weights and Adam state; megatrain the store and gradients (host",
     "  tier) or their cache (disk tier), = cache GB. disk GB: the disk tier's files.",
     "fits: within the machine less the reserve; for megatrain, at its least (2 slots, the blocks in use).",

@@ -8,9 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.cli import COMMANDS, lightning_cli, main
+from megatrain_lightning.telemetry import StepsProgressBar
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "configs" / "cli" / "tiny.yaml"
@@ -124,8 +126,10 @@ def test_plan_subcommand_prints_the_table(capsys):
 
 
 def test_megatrain_is_the_default_strategy_and_help_lists_every_subcommand(capsys):
-    cli = lightning_cli(["--trainer.strategy.max_vram_gb=0.5", *QUIET], run=False)
+    quiet = [q for q in QUIET if "progress_bar" not in q]
+    cli = lightning_cli(["--trainer.strategy.max_vram_gb=0.5", *quiet], run=False)
     assert isinstance(cli.trainer.strategy, MegaTrainStrategy) and cli.trainer.strategy.max_vram_gb == 0.5
+    assert isinstance(cli.trainer.progress_bar_callback, StepsProgressBar) or not _RICH_AVAILABLE
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
