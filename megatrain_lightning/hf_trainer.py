@@ -104,7 +104,7 @@ def _interval(value: float, total_steps: int) -> int:
 
 
 def _log_interval(logging_steps: float, total_steps: int) -> int:
-    """``logging_steps``, but at least ten logs a run: HF's default of 500 would log nothing in a short one."""
+    """``logging_steps``, but at least ten logs a run: HF's default 500 would log nothing in a short one."""
     return min(_interval(logging_steps, total_steps), max(1, total_steps // 10))
 
 
