@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import os
 import subprocess
 import sys
@@ -150,8 +151,14 @@ def test_users_app_multirun_finds_configs_via_plugin(tmp_path):
 def first_run(tmp_path_factory):
     """``megatrain-train`` with the default configs for 2 steps; its folder."""
     root = tmp_path_factory.mktemp("app")
-    with contextlib.chdir(root):
-        assert run_command(["megatrain-train", "trainer.max_steps=2", "hydra.run.dir=first", *FAST]) == 0
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.INFO)  # as in a fresh process (the suite's conftest quiets it)
+    try:
+        with contextlib.chdir(root):
+            assert run_command(["megatrain-train", "trainer.max_steps=2", "hydra.run.dir=first", *FAST]) == 0
+    finally:
+        lightning_log.setLevel(level)
     return root / "first"
 
 
