@@ -98,6 +98,17 @@ class InitRecorder(TorchDispatchMode):
         self._keep.append(base)
         return func(*args, **kwargs)
 
+    def install_all(self, root: nn.Module) -> None:
+        """:meth:`install` on every outermost Hugging Face model inside ``root`` (e.g. a LightningModule
+        whose ``configure_model`` ran under the recorder)."""
+        from transformers import PreTrainedModel
+
+        models = [m for m in root.modules() if isinstance(m, PreTrainedModel)]
+        inner = {id(sub) for m in models for sub in list(m.modules())[1:]}
+        for model in models:
+            if id(model) not in inner:
+                self.install(model)
+
     def install(self, model: nn.Module) -> None:
         """Make ``model._init_weights`` (what megatrain's engine initializes a Hugging Face model's blocks
         with) replay the recorded ops of each module's own parameters; modules added later keep the
@@ -115,8 +126,6 @@ class InitRecorder(TorchDispatchMode):
                     continue
                 seen.add(id(param))
                 own[name] = self._ops.get(id(param), [])
-        self._ops.clear()
-        self._keep.clear()
         original = model._init_weights
         model._init_weights = functools.partial(_replay, replays, original)
 
