@@ -13,6 +13,7 @@ time, without ever holding the whole model.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,9 @@ _RANDOM_OPS = frozenset(
         "geometric",
     )
 )
+
+
+_active = threading.local()  # the recorder this thread's ops go to
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,22 @@ class InitRecorder(TorchDispatchMode):
         super().__init__()
         self._ops: dict[int, list[_Op]] = {}  # id(meta parameter or its base) -> ops, in order
         self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their ids stay unique
+        self._nested = False
+
+    def __enter__(self) -> InitRecorder:
+        """Inside another recorder this one shares its record: recording twice would draw twice."""
+        outer = getattr(_active, "recorder", None)
+        if outer is not None:
+            self._ops, self._keep, self._nested = outer._ops, outer._keep, True
+            return self
+        _active.recorder = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._nested:
+            return
+        _active.recorder = None
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -289,8 +289,9 @@ def test_recorded_meta_build_replays_to_the_plain_build(arch):
     plain = AutoModelForCausalLM.from_config(tiny_config(arch))
     after_plain = torch.get_rng_state()
     torch.manual_seed(0)
-    with init_on_meta(), InitRecorder() as recorder:
+    with init_on_meta(), InitRecorder() as recorder, InitRecorder() as nested:  # e.g. strategy and module
         built = AutoModelForCausalLM.from_config(tiny_config(arch))
+    nested.install(built)
     recorder.install_all(built)
     assert torch.equal(torch.get_rng_state(), after_plain)
     built.to_empty(device="cpu")
