@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
+from megatrain_lightning.checkpoint import CheckpointError
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.hf import export_hf
 from megatrain_lightning.models import CausalLMModule
@@ -103,7 +104,10 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("out", help="the Hugging Face model directory to write")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
-    export_hf(args.checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    try:
+        export_hf(args.checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    except (CheckpointError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     print(f"wrote {args.out}")
 
 

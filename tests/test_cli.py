@@ -147,6 +147,14 @@ def test_plan_usage_error_is_one_line_naming_the_presets(capsys):
     assert err.count("\n") == 1 and "13b" in err and "tiny, 170m, 1b, 7b, 70b" in err
 
 
+def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing.ckpt is not a megatrain checkpoint directory" in err
+
+
 def test_fit_resumes_from_ckpt_path(tmp_path):
     """`megatrain fit --ckpt_path`: a checkpoint of a run with omegaconf hyperparameters (as the Hydra app
     writes) loads with weights_only=True and training goes on from its step."""
