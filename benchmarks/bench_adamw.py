@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from megatrain_lightning.blocks import discover_blocks
-from megatrain_lightning.grads import HostGrads
+from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.optim import CPUAdamW
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.telemetry.stats import EngineStats
 
 IMPLS = {"fused": dict(fused=True, foreach=False), "foreach": dict(fused=False, foreach=True),
          "single": dict(fused=False, foreach=False)}  # fmt: skip

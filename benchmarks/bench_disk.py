@@ -69,9 +69,9 @@ from bench_engine import (  # noqa: E402
 )
 
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
-from megatrain_lightning.io import BlockFile, IOConfig  # noqa: E402
 from megatrain_lightning.models import llama_config  # noqa: E402
-from megatrain_lightning.store import ALIGNMENT, aligned_empty  # noqa: E402
+from megatrain_lightning.store.io import BlockFile, IOConfig  # noqa: E402
+from megatrain_lightning.store.memory import ALIGNMENT, host_empty  # noqa: E402
 
 GB = 1e9
 EFFICIENCY_GOAL = 0.85  # store GB/s / disk GB/s, at least
@@ -507,7 +507,7 @@ def raw_sweep(
         for threads, chunk_mb in grid if p % 2 == 0 else reversed(grid):
             buffers: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
             for _ in range(threads):
-                buffers.put(aligned_empty(block, torch.uint8).random_(0, 256))
+                buffers.put(host_empty(block, torch.uint8).random_(0, 256))
             path = os.path.join(directory, "raw.bin")
             file = BlockFile(path, block * count, IOConfig(chunk_bytes=chunk_mb << 20, threads=threads))
 

@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.models import llama_config
 
 GOALS = {"b": 1.05, "c": 1.15}  # goal for the step-time ratio to the plain run

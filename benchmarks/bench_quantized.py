@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim import kernel as K
 from megatrain_lightning.optim import quantized as Q
 
 HP = dict(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -227,8 +228,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    build = timed(Q.load_kernel)
-    print(f"{args.numel / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, backend {Q.backend()} "
+    build = timed(K.load_kernel)
+    print(f"{args.numel / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, backend {K.backend()} "
           f"(loaded/built in {build:.1f} s), torch {torch.__version__}; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
     times = bench_main(args.numel, args.rounds)

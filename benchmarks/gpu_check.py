@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.models import llama_config, tiny_config
 
 LOSS_RTOL = 1e-4  # parity: largest relative loss difference accepted

@@ -1,9 +1,10 @@
 """megatrain_lightning: train models larger than GPU memory with ``Trainer(strategy="megatrain")``."""
 
-from megatrain_lightning.hf import export_hf, from_pretrained
 from megatrain_lightning.hf_trainer import Trainer, init
 from megatrain_lightning.optim import CPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
+from megatrain_lightning.serialization.checkpoint import convert_checkpoint, open_checkpoint
+from megatrain_lightning.serialization.hf import export_hf, from_pretrained
 from megatrain_lightning.strategy import MegaTrainStrategy
 
 __all__ = [
@@ -11,9 +12,11 @@ __all__ = [
     "MegaTrainPrecision",
     "MegaTrainStrategy",
     "Trainer",
+    "convert_checkpoint",
     "export_hf",
     "from_pretrained",
     "init",
+    "open_checkpoint",
 ]
 
 

@@ -7,8 +7,8 @@ and every ``Trainer`` argument (``--trainer.*``), from flags or ``--config`` YAM
     megatrain fit --trainer.strategy=megatrain_lightning.MegaTrainStrategy --trainer.strategy.max_vram_gb=2
     megatrain plan --model 7b --vram 80 --ram 512 --disk 4000
 
-``plan`` and ``export`` are not ``Trainer`` methods: :data:`COMMANDS` routes them before LightningCLI
-parses, and ``megatrain --help`` lists them.
+``plan``, ``export`` and ``convert`` are not ``Trainer`` methods: :data:`COMMANDS` routes them before
+LightningCLI parses, and ``megatrain --help`` lists them.
 """
 
 from __future__ import annotations
@@ -23,12 +23,19 @@ from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
-from megatrain_lightning.checkpoint import CheckpointError
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.hf import export_hf
 from megatrain_lightning.models import CausalLMModule
-from megatrain_lightning.planner import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, format_plan, plan_for
-from megatrain_lightning.telemetry import with_progress_bar
+from megatrain_lightning.planner.plan import (
+    COMPRESSIONS,
+    DTYPE_BYTES,
+    Machine,
+    Workload,
+    format_plan,
+    plan_for,
+)
+from megatrain_lightning.serialization.checkpoint import CheckpointError, convert_checkpoint
+from megatrain_lightning.serialization.hf import export_hf
+from megatrain_lightning.telemetry.monitor import with_progress_bar
 
 # The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.
 DEFAULT_STRATEGY = {"class_path": "megatrain_lightning.MegaTrainStrategy"}
@@ -111,10 +118,24 @@ def export_main(argv: list[str]) -> None:
     print(f"wrote {args.out}")
 
 
+def convert_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="megatrain convert",
+        description="Write a megatrain checkpoint directory as a standard single-file Lightning checkpoint "
+        "(for `torch.load`, `load_from_checkpoint` and any strategy); the model must fit in RAM.",
+    )
+    parser.add_argument("checkpoint", help="a megatrain checkpoint directory (e.g. .../last.ckpt)")
+    parser.add_argument("out", help="the .ckpt file to write")
+    args = parser.parse_args(argv)
+    convert_checkpoint(args.checkpoint, args.out)
+    print(f"wrote {args.out}")
+
+
 # Subcommands that are not Trainer methods: name -> (function of the remaining arguments, one-line help).
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "plan": (plan_main, "will a model fit this machine: memory, megatrain's settings, a step-time bound"),
     "export": (export_main, "write a megatrain checkpoint as a Hugging Face save_pretrained directory"),
+    "convert": (convert_main, "write a megatrain checkpoint as a standard single-file Lightning checkpoint"),
 }
 
 

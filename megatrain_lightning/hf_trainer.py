@@ -31,7 +31,7 @@ from transformers.trainer_utils import TrainOutput
 
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.strategy import MegaTrainStrategy
-from megatrain_lightning.telemetry import MegaTrainMonitor, with_progress_bar
+from megatrain_lightning.telemetry.monitor import MegaTrainMonitor, with_progress_bar
 
 _STRATEGY_OPTIONS: dict[str, Any] = {}
 _MODEL_INPUTS = ("input_ids", "attention_mask", "labels")

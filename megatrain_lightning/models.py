@@ -18,9 +18,9 @@ import torch
 from torchmetrics.text import Perplexity
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from megatrain_lightning.hf import from_pretrained
-from megatrain_lightning.init import InitRecorder
-from megatrain_lightning.meta import building_on_meta
+from megatrain_lightning.serialization.hf import from_pretrained
+from megatrain_lightning.serialization.initialization import InitRecorder
+from megatrain_lightning.serialization.meta import building_on_meta
 
 TINY_ARCHS = ("llama", "gpt2", "qwen2_moe", "mixtral")
 BYTE_VOCAB = 256
@@ -264,7 +264,8 @@ class CausalLMModule(L.LightningModule):
 
         Under megatrain parameters are created on meta and the strategy fills its store block by
         block: from the shards of a model directory (streamed, never the whole model in memory),
-        or with the values a plain build draws from the same seed (see :mod:`megatrain_lightning.init`).
+        or with the values a plain build draws from the same seed
+        (:mod:`megatrain_lightning.serialization.initialization`).
         """
         if self.model is not None:
             return

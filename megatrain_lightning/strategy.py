@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
@@ -20,15 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from megatrain_lightning import checkpoint as checkpointing
-from megatrain_lightning.blocks import Block
-from megatrain_lightning.checkpoint import hf_model
-from megatrain_lightning.disk import DiskStore, region_bytes
-from megatrain_lightning.engine import Engine, EngineConfig
-from megatrain_lightning.io import IOConfig
-from megatrain_lightning.meta import init_on_meta
+from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.optim import CPUAdamW
-from megatrain_lightning.planner import (
+from megatrain_lightning.optim.adamw import rebind_scheduler
+from megatrain_lightning.planner.plan import (
     MASTER_BYTES,
     STATE_BYTES,
     Machine,
@@ -38,7 +34,13 @@ from megatrain_lightning.planner import (
     plan_for,
 )
 from megatrain_lightning.precision import MegaTrainPrecision
-from megatrain_lightning.preflight import (
+from megatrain_lightning.serialization import checkpoint as checkpointing
+from megatrain_lightning.serialization.checkpoint import hf_model
+from megatrain_lightning.serialization.meta import init_on_meta
+from megatrain_lightning.store.disk import DiskStore, region_bytes
+from megatrain_lightning.store.io import IOConfig
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_disk_space,
     check_host_ram,
@@ -47,8 +49,7 @@ from megatrain_lightning.preflight import (
     prepare_offload_dir,
     remove_empty_dirs,
 )
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import can_pin_memory
+from megatrain_lightning.telemetry.stats import EngineStats
 
 _GB = 1e9
 COMPRESSIONS = ("none", "int8", "int4")
@@ -65,6 +66,19 @@ def _budget(name: str, value: Any) -> float | None:
     ):
         raise MisconfigurationException(f"`{name}` must be a positive number of GB or None; got {value!r}.")
     return float(value)
+
+
+def _reads_final_gradients(trainer: pl.Trainer) -> bool:
+    """Whether user code may see or change the summed gradients before the optimizer step (clipping,
+    gradient norms in ``on_before_optimizer_step``): then no block is updated before the backward ends."""
+    module = trainer.lightning_module
+    return (
+        # Manual optimization may clip (`self.clip_gradients`) after a backward inside `opt.step(closure)`.
+        not module.automatic_optimization
+        or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+        or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
+        or any(is_overridden("on_before_optimizer_step", c, pl.Callback) for c in trainer.callbacks)
+    )
 
 
 def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
@@ -211,6 +225,16 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+        for callback in trainer.callbacks:  # they keep their own copy of the weights
+            if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+                raise MisconfigurationException(
+                    f"megatrain does not support `{type(callback).__name__}` yet: it keeps an averaged "
+                    "copy of the model's parameters, while megatrain keeps the weights in its store and "
+                    "leaves the module's parameters on the meta device. Remove the callback, or train with "
+                    "the default strategy."
+                )
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -224,6 +248,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.optimizer_compression != "none":
+                from megatrain_lightning.optim import kernel
+
+                kernel.prepare()  # here, not in the first update: no step waits for a compiler
         self.setup_precision_plugin()
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
@@ -249,7 +277,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             num_slots=num_slots,
             prefetch_depth=max(num_slots - 1, 1) if self.prefetch_depth == "auto" else self.prefetch_depth,
             activation_checkpointing=self.activation_checkpointing,
-            pin_memory=self.root_device.type == "cuda" and can_pin_memory(),
+            pin_memory=self.root_device.type == "cuda",
             offload_dir=offload_dir,
             cache_bytes=cache_bytes,
             keep_offload_dir=self.keep_offload_dir,
@@ -338,19 +366,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             store=engine.store,
             grads=engine.grads,
             locate=locate,
-            before_update=engine.pager.invalidate,
+            before_update=engine.invalidate,
             stats=engine.stats,
             compression=self.optimizer_compression,
             threads=self.optimizer_threads,
         )
-        optimizer.defer_updates = bool(trainer.gradient_clip_val) or is_overridden(
-            "configure_gradient_clipping", module, pl.LightningModule
-        )
+        optimizer.defer_updates = bool(trainer.gradient_clip_val) or _reads_final_gradients(trainer)
         if engine.optimizer is not None:
             engine.optimizer.close()
         engine.optimizer = optimizer
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = optimizer
+            rebind_scheduler(config.scheduler, optimizer)
         self.optimizers = [optimizer]
 
     # -- steps: each begins a pass of the trace --
@@ -358,7 +384,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.begin_pass("train")
-        return super().training_step(*args, **kwargs)
+        self.engine.guard_training_reads = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.engine.guard_training_reads = False
 
     @override
     def post_training_step(self) -> None:
@@ -396,11 +426,22 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full fp32 weights as views of the store, like a plain ``state_dict``. With the disk tier the
-        weights are not all in RAM: this is empty, and checkpoints stream them (see ``save_checkpoint``);
-        ``module.state_dict()`` still gives a full copy when one is wanted."""
-        if self.offload_dir is not None:
+        """The full fp32 weights, like a plain ``state_dict``: views of the store in the host tier, a copy
+        read from disk in the disk tier (an error where that copy would not fit in RAM). Lightning's own
+        checkpointing gets nothing here: ``save_checkpoint`` streams the weights block by block."""
+        if self.offload_dir is None or self.engine is None:
+            return super().lightning_module_state_dict()
+        if _called_by_checkpoint_connector():
             return {}
+        need = region_bytes(self.engine.blocks)
+        available = available_ram_bytes()
+        if need > available:
+            raise MisconfigurationException(
+                f"The model's weights ({need / _GB:.2f} GB in fp32) live on disk under `offload_dir` and "
+                f"do not fit in the {available / _GB:.2f} GB of RAM available, so no full state dict can be "
+                "built. Save with `trainer.save_checkpoint(path)` (it streams the weights block by block) "
+                "and export them with `megatrain_lightning.export_hf(path, out_dir)`."
+            )
         return super().lightning_module_state_dict()
 
     @override
@@ -413,7 +454,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """A checkpoint directory at ``filepath`` (see :mod:`megatrain_lightning.checkpoint`)."""
+        """A checkpoint directory at ``filepath`` (:mod:`megatrain_lightning.serialization.checkpoint`)."""
         engine = self.engine
         assert engine is not None
         engine.wait_all()
@@ -458,9 +499,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         ckpt = checkpoint.get("megatrain_checkpoint")
-        if ckpt is None:
-            return super().load_optimizer_state_dict(checkpoint)
         optimizer = self.engine.optimizer
+        if ckpt is None:
+            # A single-file checkpoint (the default strategy's, or a converted one): torch.optim.AdamW's
+            # format, which CPUAdamW loads as it is when its moments are fp32.
+            if optimizer.compression != "none" and "blocks" not in checkpoint["optimizer_states"][0]:
+                raise MisconfigurationException(
+                    "This checkpoint holds fp32 Adam moments (torch.optim format), which megatrain loads "
+                    f"only uncompressed; got `optimizer_compression={optimizer.compression!r}`. Resume with "
+                    "`MegaTrainStrategy(optimizer_compression='none')` (and save again to compress)."
+                )
+            return super().load_optimizer_state_dict(checkpoint)
         optimizer.load_param_groups(checkpoint["optimizer_states"][0]["param_groups"])
         checkpointing.load_optimizer(ckpt, self.engine, optimizer)
 
@@ -499,3 +548,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             description="megatrain with the store on disk under <default_root_dir>/megatrain_offload",
             offload_dir="auto",
         )
+
+
+def _called_by_checkpoint_connector() -> bool:
+    """Whether Lightning's ``dump_checkpoint`` asks for the state dict (it goes to ``save_checkpoint``,
+    which streams the weights itself and drops it)."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    caller = sys._getframe(2).f_locals.get("self")
+    return isinstance(caller, _CheckpointConnector)

@@ -20,7 +20,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from megatrain_lightning.telemetry import with_progress_bar
+from megatrain_lightning.telemetry.monitor import with_progress_bar
 
 log = logging.getLogger(__name__)
 

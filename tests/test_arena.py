@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatrain_lightning.arena import Arena
-from megatrain_lightning.store import ALIGNMENT
+from megatrain_lightning.store.arena import Arena
+from megatrain_lightning.store.memory import ALIGNMENT
 
 PAGE = ALIGNMENT
 MB = 1 << 20

@@ -17,12 +17,13 @@ import torch
 from conftest import peak_rss_script, tiny_model
 from transformers import AutoModelForCausalLM
 
-from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
+from megatrain_lightning import MegaTrainStrategy, open_checkpoint
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.hf import export_hf, from_pretrained
+from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.models import CausalLMModule, tiny_config
-from megatrain_lightning.safetensors_io import SafetensorsError, sha256_file
+from megatrain_lightning.serialization.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
+from megatrain_lightning.serialization.hf import export_hf, from_pretrained
+from megatrain_lightning.serialization.safetensors_io import SafetensorsError, sha256_file
 
 
 def _trainer(strategy=None, **kwargs) -> L.Trainer:
@@ -52,7 +53,7 @@ def test_sharded_hf_model_streams_into_the_store(tmp_path, arch):
     module = CausalLMModule(str(tmp_path))
     ids = torch.randint(0, 256, (2, 24))
     logits = _logits(_trainer(), module, ids)
-    assert all(p.is_meta for p in module.parameters())  # never materialized
+    assert all(isinstance(p, ParamPlaceholder) for p in module.parameters())  # never materialized
     expected = model(input_ids=ids).logits
     assert (logits - expected).abs().max() <= 1e-6
 
@@ -102,6 +103,18 @@ def test_checkpoint_directory_layout_and_export(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids = torch.randint(0, 256, (2, 16))
     assert (exported(input_ids=ids).logits - _logits(trainer, module, ids)).abs().max() <= 1e-6
+
+
+def test_a_checkpoint_directory_loads_with_load_from_checkpoint(tmp_path):
+    module, _, path = _fit_and_save(tmp_path, steps=2)
+    state_dict = torch.load(open_checkpoint(path), weights_only=True)["state_dict"]
+    # The tied head is there under its own name, sharing the embedding's storage as in a plain save.
+    head, embedding = state_dict["model.lm_head.weight"], state_dict["model.transformer.wte.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    loaded = CausalLMModule.load_from_checkpoint(open_checkpoint(path))  # the model from its saved config
+    expected = module.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    assert all(torch.equal(value, expected[name]) for name, value in loaded.state_dict().items())
 
 
 def test_export_console_command(tmp_path):

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.cli import COMMANDS, lightning_cli, main
-from megatrain_lightning.telemetry import StepsProgressBar
+from megatrain_lightning.telemetry.monitor import StepsProgressBar
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "configs" / "cli" / "tiny.yaml"

@@ -15,10 +15,11 @@ from conftest import assert_same_training, fit, peak_rss_script, tiny_model
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.blocks import Block, discover_blocks
-from megatrain_lightning.disk import STORE_DIRNAME, DiskStore
-from megatrain_lightning.io import BlockFile, StoreIOError
-from megatrain_lightning.store import ALIGNMENT
+from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.store.disk import STORE_DIRNAME, DiskStore
+from megatrain_lightning.store.io import BlockFile, StoreIOError
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.memory import ALIGNMENT
 
 CASES = [
     # arch, activation checkpointing, accumulate_grad_batches, gradient clipping
@@ -65,7 +66,7 @@ def test_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
             raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs on older kernels, or some FUSE mounts
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr("megatrain_lightning.io.os.open", open_refusing_direct)
+    monkeypatch.setattr("megatrain_lightning.store.io.os.open", open_refusing_direct)
     model = tiny_model("llama", num_hidden_layers=40, hidden_size=32, intermediate_size=64)
     plain = fit(model, "auto", steps=3)
     paged = fit(model, MegaTrainStrategy(offload_dir=tmp_path, **_budgets(model)), steps=3)
@@ -96,14 +97,14 @@ def test_offload_dir_that_cannot_be_used(tmp_path):
 
 
 def test_too_little_disk_space_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    monkeypatch.setattr("megatrain_lightning.preflight.free_disk_bytes", lambda path: 10 << 20)
+    monkeypatch.setattr("megatrain_lightning.store.preflight.free_disk_bytes", lambda path: 10 << 20)
     with pytest.raises(MisconfigurationException, match="GB are free"):
         fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=tmp_path), steps=1)
     assert os.listdir(tmp_path) == []
 
 
 def test_max_cpu_gb_above_available_ram(monkeypatch):
-    monkeypatch.setattr("megatrain_lightning.preflight.available_ram_bytes", lambda: 1 << 30)
+    monkeypatch.setattr("megatrain_lightning.store.preflight.available_ram_bytes", lambda: 1 << 30)
     with pytest.raises(MisconfigurationException, match="RAM available"):
         MegaTrainStrategy(max_cpu_gb=2)
 

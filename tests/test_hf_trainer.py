@@ -98,7 +98,7 @@ def test_trainer_maps_training_arguments_and_loss_falls(tmp_path, windows):
     with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
-    lrs = {int(r["step"]): float(r["lr-CPUAdamW/pg1"]) for r in rows if r.get("lr-CPUAdamW/pg1")}
+    lrs = {int(r["step"]): float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")}
     assert len(losses) == 16 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     assert [lrs[step] for step in range(3)] == pytest.approx(
         [0.0, 1.5e-3, 3e-3]

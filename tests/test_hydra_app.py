@@ -202,7 +202,7 @@ def test_offload_folder_is_made_on_first_use_and_never_left_empty(tmp_path, monk
     folder = tmp_path / "run" / "offload"
     MegaTrainStrategy(offload_dir=folder)
     assert not (tmp_path / "run").exists()
-    monkeypatch.setattr("megatrain_lightning.preflight.free_disk_bytes", lambda path: 10 << 20)
+    monkeypatch.setattr("megatrain_lightning.store.preflight.free_disk_bytes", lambda path: 10 << 20)
     with pytest.raises(MisconfigurationException, match="GB are free"):
         fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=folder), steps=1)
     assert not (tmp_path / "run").exists()

@@ -15,8 +15,6 @@ from conftest import LossRecorder
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.init import InitRecorder
-from megatrain_lightning.meta import init_on_meta
 from megatrain_lightning.models import (
     TINY_ARCHS,
     CausalLMModule,
@@ -24,6 +22,8 @@ from megatrain_lightning.models import (
     llama_config,
     tiny_config,
 )
+from megatrain_lightning.serialization.initialization import InitRecorder
+from megatrain_lightning.serialization.meta import init_on_meta
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "megatrain_lightning" / "configs"
@@ -269,7 +269,7 @@ def _first_losses(make_module, strategy: str, steps: int = 2) -> list[float]:
             id="user-configure_model",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="needs megatrain_lightning.init.InitRecorder around the strategy's tensor_init_context",
+                reason="needs megatrain_lightning.serialization.initialization.InitRecorder around the strategy's tensor_init_context",
             ),
         ),
     ],

@@ -10,10 +10,10 @@ from conftest import assert_same_training, fit, tiny_model
 from torch import nn
 
 from megatrain_lightning import CPUAdamW, MegaTrainStrategy
-from megatrain_lightning.blocks import discover_blocks
-from megatrain_lightning.grads import HostGrads
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
+from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.telemetry.stats import EngineStats
 
 
 class Layer(nn.Module):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatrain_lightning.blocks import discover_blocks
-from megatrain_lightning.pager import Pager
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
-from megatrain_lightning.trace import Trace, UpdateCadence
+from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.pager import Pager
+from megatrain_lightning.engine.trace import Trace, UpdateCadence
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.telemetry.stats import EngineStats
 
 
 class Layer(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 from conftest import assert_same_training, fit, tiny_model
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.engine.blocks import discover_blocks
 
 CASES = [
     # arch, activation checkpointing, accumulate_grad_batches, gradient clipping

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.models import llama_config, tiny_config
-from megatrain_lightning.planner import (
+from megatrain_lightning.planner.plan import (
     LEGEND,
     RESERVE,
     Machine,

@@ -12,6 +12,7 @@ import torch
 from torch.optim.adam import adam
 
 from megatrain_lightning.optim import codecs as C
+from megatrain_lightning.optim import kernel as K
 from megatrain_lightning.optim import quantized as Q
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -23,10 +24,10 @@ MODES = [
 ]
 
 
-def _kernel_or_skip() -> Q._Kernel:
-    kernel = Q.load_kernel()
+def _kernel_or_skip() -> K._Kernel:
+    kernel = K.load_kernel()
     if kernel is None:
-        pytest.skip(f"the C++ kernel is unavailable here ({Q._kernel_error}); the fallback is tested alone")
+        pytest.skip(f"the C++ kernel is unavailable here ({K._kernel_error}); the fallback is tested alone")
     return kernel
 
 
@@ -39,19 +40,19 @@ def _cpu_has(flag: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def variant_kernels() -> dict[str, Q._Kernel]:
+def variant_kernels() -> dict[str, K._Kernel]:
     """The other code paths of the kernel, which other CPUs run: portable C++ (no -march) and AVX2
     (built side by side: each build takes a few seconds)."""
     _kernel_or_skip()
-    compiler = Q._compiler()
+    compiler = K._compiler()
     assert compiler is not None
     variants = {"generic": ["-fopenmp"]}
     if _cpu_has("avx2"):
         variants["avx2"] = ["-mavx2", "-fopenmp"]
     with ThreadPoolExecutor(len(variants)) as pool:
-        built = pool.map(lambda flags: Q._build(compiler, [flags]), variants.values())
+        built = pool.map(lambda flags: K._build(compiler, [flags]), variants.values())
         paths = dict(zip(variants, built, strict=True))
-    return {name: Q._Kernel(path) for name, path in paths.items()}
+    return {name: K._Kernel(path) for name, path in paths.items()}
 
 
 def _grads(n: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
@@ -101,8 +102,8 @@ def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernel
         pytest.skip(f"this CPU cannot run the {variant} path")
     kernel = variant_kernels[variant]
     assert kernel.isa == variant
-    monkeypatch.setattr(Q, "_kernel", kernel)
-    assert Q.backend() == f"cpp-{variant}"
+    monkeypatch.setattr(K, "_kernel", kernel)
+    assert K.backend() == f"cpp-{variant}"
     for mode in MODES[:3]:
         for n in (256 * 33 + 5, 100):
             _assert_identical(_run(n, bits, 3, True, **mode), _run(n, bits, 3, False, **mode))
@@ -350,10 +351,10 @@ def test_concurrent_slices_from_threads() -> None:
 
 def test_load_is_thread_safe(monkeypatch) -> None:
     _kernel_or_skip()
-    monkeypatch.setattr(Q, "_kernel", None)
-    monkeypatch.setattr(Q, "_kernel_error", None)
+    monkeypatch.setattr(K, "_kernel", None)
+    monkeypatch.setattr(K, "_kernel_error", None)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(Q.load_kernel())) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: got.append(K.load_kernel())) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -362,26 +363,64 @@ def test_load_is_thread_safe(monkeypatch) -> None:
 
 
 def test_fallback_warns_once(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(Q, "_kernel", None)
-    monkeypatch.setattr(Q, "_kernel_error", "no compiler (test)")
-    monkeypatch.setattr(Q, "_warned", False)
+    monkeypatch.setattr(K, "_kernel", None)
+    monkeypatch.setattr(K, "_kernel_error", "no compiler (test)")
+    monkeypatch.setattr(K, "_warned", False)
     n = 300
     p, g = torch.zeros(n), torch.ones(n)
     state = C.empty_state(n, 8)
-    with caplog.at_level(logging.WARNING, logger=Q.__name__):
+    with caplog.at_level(logging.WARNING, logger=K.__name__):
         for step in (1, 2):
             Q.quantized_adamw_(p, g, *state, bits=8, step=step, **HP)
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     assert "no compiler (test)" in caplog.records[0].getMessage()
-    assert Q.backend() == "torch"
+    assert K.backend() == "torch"
     with pytest.raises(RuntimeError, match="unavailable"):
         Q.quantized_adamw_(p, g, *state, bits=8, step=3, use_kernel=True, **HP)
 
 
 def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(Q, "_kernel", None)
-    monkeypatch.setattr(Q, "_kernel_error", None)
+    monkeypatch.setattr(K, "_kernel", None)
+    monkeypatch.setattr(K, "_kernel_error", None)
     monkeypatch.setenv("MEGATRAIN_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(Q, "_compiler", lambda: None)
-    assert Q.load_kernel() is None and "compiler" in (Q._kernel_error or "")
+    monkeypatch.setattr(K, "_compiler", lambda: None)
+    assert K.load_kernel() is None and "compiler" in (K._kernel_error or "")
+
+
+def test_a_cache_folder_others_may_write_is_not_used(monkeypatch, tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("MEGATRAIN_KERNEL_CACHE", str(shared))
+    monkeypatch.setattr(K.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    folder = K._writable_cache()
+    assert folder != shared and folder.parent == tmp_path / "tmp"
+    assert not folder.stat().st_mode & 0o077
+
+
+def test_a_library_others_may_write_is_not_loaded(tmp_path) -> None:
+    library = tmp_path / "quantized_adamw-x.so"
+    library.write_bytes(b"not a library")
+    library.chmod(0o666)
+    with pytest.raises(RuntimeError, match="writable by others; not loaded"):
+        K._Kernel(library)
+
+
+def test_the_strategy_prepares_the_kernel_at_setup_on_the_main_thread(monkeypatch) -> None:
+    from conftest import tiny_model, user_fit
+
+    from megatrain_lightning import MegaTrainStrategy
+
+    monkeypatch.setattr(K, "_kernel", None)
+    monkeypatch.setattr(K, "_kernel_error", None)
+    first_load = []
+    load = K.load_kernel
+
+    def recording_load():
+        first_load.append(threading.current_thread() is threading.main_thread())
+        return load()
+
+    monkeypatch.setattr(K, "load_kernel", recording_load)
+    user_fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=1)
+    assert first_load and first_load[0], "the kernel was first loaded on a worker thread"

@@ -15,8 +15,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
-from megatrain_lightning.telemetry import MegaTrainMonitor, StepsProgressBar, with_progress_bar
-from megatrain_lightning.timeline import LANES, Timeline, render
+from megatrain_lightning.telemetry.monitor import MegaTrainMonitor, StepsProgressBar, with_progress_bar
+from megatrain_lightning.telemetry.timeline import LANES, Timeline, render
 
 
 def assert_png(path: Path, min_size: tuple[int, int] = (200, 100)) -> None:

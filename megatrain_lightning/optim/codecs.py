@@ -49,11 +49,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from megatrain_lightning.store.layout import ALIGN
+
 Kind = Literal["m", "v"]
 
 M_BLOCK = {8: 256, 4: 128}  # elements per first-moment scale
 V_BLOCK = 128  # elements per second-moment scale (both widths)
-ALIGN = 256  # a fused-step slice must start at a multiple of this (covers whole blocks of both)
 
 M8_TOP = 1.875  # largest E4M3 magnitude
 M8_MIN_NORMAL = 2.0**-14

@@ -8,10 +8,8 @@ parameter for int8, 14 for int4, against 28 for fp32 moments).
 Two implementations, bit-identical in their results:
 
 * a small C++ kernel (``csrc/quantized_adamw.cpp``; AVX-512 or AVX2 where the CPU has them,
-  portable C++ otherwise; OpenMP across chunks), compiled on first use with the system C++ compiler into a
-  per-user cache (``$MEGATRAIN_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/megatrain_lightning/kernels``,
-  else ``~/.cache/megatrain_lightning/kernels``) and loaded with ctypes (no torch headers, no ninja:
-  the build takes a couple of seconds; the GIL is released during a step);
+  portable C++ otherwise; OpenMP across chunks), built and loaded by :mod:`.kernel` (the GIL is
+  released during a step);
 * a chunked pure-torch fallback, used (with one warning) when no compiler is found or the build
   fails, or always with ``MEGATRAIN_QUANTIZED_BACKEND=torch``.
 """
@@ -19,18 +17,9 @@ Two implementations, bit-identical in their results:
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import math
-import os
-import platform
-import shutil
 import struct
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -40,16 +29,9 @@ try:
 except ImportError:  # pragma: no cover - numpy comes with transformers
     np = None
 
-from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim import codecs, kernel
 from megatrain_lightning.optim.codecs import ALIGN, M_BLOCK, V_BLOCK
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("csrc") / "quantized_adamw.cpp"
-_ABI_VERSION = 1
-_BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
-# tried in this order; the first that compiles is used (without OpenMP the kernel runs on one thread)
-_ARCH_FLAGS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
 _FALLBACK_CHUNK = 1 << 20  # elements per step of the torch fallback (a multiple of ALIGN)
 
 
@@ -108,159 +90,6 @@ def _hyper(
         l2=l2,
         maximize=bool(maximize),
     )
-
-
-# -- the C++ kernel: built once per machine, loaded once per process --
-
-
-class _Kernel:
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        lib.mq_abi_version.restype = ctypes.c_int
-        if lib.mq_abi_version() != _ABI_VERSION:
-            raise RuntimeError(f"{path} has ABI {lib.mq_abi_version()}, expected {_ABI_VERSION}")
-        lib.mq_tables.argtypes = [ctypes.c_void_p]
-        tables = torch.zeros(32, dtype=torch.float32)
-        lib.mq_tables(tables.data_ptr())
-        expected = torch.cat([codecs.M4_TABLE, codecs.M4_MIDPOINTS, torch.tensor([codecs.V_FLOOR])])
-        if not torch.equal(tables, expected):
-            raise RuntimeError(f"{path} was built with other codec tables than codecs.py")
-        lib.mq_isa.restype = ctypes.c_char_p
-        self.isa = lib.mq_isa().decode()
-        fn = lib.mq_adamw_step
-        fn.restype = ctypes.c_int
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 3
-        )
-        self.step = fn
-        self.path = path
-
-
-_lock = threading.Lock()
-_kernel: _Kernel | None = None
-_kernel_error: str | None = None  # why the kernel is unavailable (then the fallback runs)
-_warned = False
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels are kept (one file per source / compiler / CPU combination)."""
-    if env := os.environ.get("MEGATRAIN_KERNEL_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "megatrain_lightning" / "kernels"
-
-
-def _compiler() -> str | None:
-    for name in filter(None, (os.environ.get("CXX"), "c++", "g++", "clang++")):
-        if path := shutil.which(name):
-            return path
-    return None
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU's model and feature flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("flags", "Features", "model name", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _writable_cache() -> Path:
-    """``cache_dir()``, or a per-user folder under the temp dir when that cannot be created."""
-    user = getattr(os, "getuid", lambda: 0)()
-    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"megatrain_lightning-kernels-{user}"):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            if os.access(folder, os.W_OK):
-                return folder
-        except OSError:
-            continue
-    raise RuntimeError(f"no writable folder for the compiled kernel (tried {cache_dir()})")
-
-
-def _build(compiler: str, archs: list[list[str]] = _ARCH_FLAGS) -> Path:
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    errors = []
-    for arch in archs:
-        flags = [*_BASE_FLAGS, *arch]
-        key = hashlib.sha256(
-            b"\0".join(
-                s if isinstance(s, bytes) else s.encode()
-                for s in (
-                    source,
-                    version,
-                    " ".join(flags),
-                    platform.machine(),
-                    _cpu_signature(),
-                    str(_ABI_VERSION),
-                )
-            )
-        ).hexdigest()[:16]
-        target = _writable_cache() / f"quantized_adamw-{key}.so"
-        if target.exists():
-            return target
-        # build under a unique name, then rename: concurrent processes never load a half-written file
-        fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=target.parent)
-        os.close(fd)
-        try:
-            result = subprocess.run(
-                [compiler, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600
-            )
-            if result.returncode == 0:
-                os.replace(tmp, target)
-                return target
-            errors.append(f"{' '.join(arch) or 'generic'}: {result.stderr.strip()[-2000:]}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError("compiling the quantized AdamW kernel failed:\n" + "\n".join(errors))
-
-
-def load_kernel() -> _Kernel | None:
-    """The compiled kernel (built on first call, thread-safe), or None when only the fallback can run."""
-    global _kernel, _kernel_error
-    if _kernel is not None or _kernel_error is not None:
-        return _kernel
-    with _lock:
-        if _kernel is not None or _kernel_error is not None:
-            return _kernel
-        if os.environ.get("MEGATRAIN_QUANTIZED_BACKEND", "").lower() == "torch":
-            _kernel_error = "MEGATRAIN_QUANTIZED_BACKEND=torch"
-            return None
-        try:
-            compiler = _compiler()
-            if compiler is None:
-                raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-            path = _build(compiler)
-            try:
-                _kernel = _Kernel(path)
-            except OSError:  # a damaged cached build: rebuild it once
-                path.unlink(missing_ok=True)
-                _kernel = _Kernel(_build(compiler))
-        except Exception as err:  # any failure: fall back to torch, once, loudly
-            _kernel_error = f"{type(err).__name__}: {err}"
-        return _kernel
-
-
-def backend() -> str:
-    """``"cpp-avx512"`` / ``"cpp-avx2"`` / ``"cpp-generic"`` when the kernel runs, ``"torch"`` for the
-    fallback."""
-    kernel = load_kernel()
-    return f"cpp-{kernel.isa}" if kernel is not None else "torch"
-
-
-def _warn_fallback() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        log.warning(
-            "megatrain: the compiled quantized-AdamW kernel is unavailable (%s); using the pure-torch "
-            "fallback, which gives identical results but is several times slower.",
-            _kernel_error,
-        )
 
 
 # -- the step --
@@ -337,17 +166,17 @@ def quantized_adamw_(
     n = param.numel()
     if n == 0:
         return
-    kernel = load_kernel() if use_kernel is not False else None
-    if kernel is None:
+    compiled = kernel.load_kernel() if use_kernel is not False else None
+    if compiled is None:
         if use_kernel:
-            raise RuntimeError(f"the quantized AdamW kernel is unavailable: {_kernel_error}")
+            raise RuntimeError(f"the quantized AdamW kernel is unavailable: {kernel.unavailable_reason()}")
         if use_kernel is None:
-            _warn_fallback()
+            kernel.warn_fallback()
         _torch_step(param, grad, m_codes, m_scales, v_codes, v_scales, bits, h)
         return
     threads = num_threads if num_threads is not None else torch.get_num_threads()
     hyper = (ctypes.c_float * 9)(*h.floats())
-    rc = kernel.step(
+    rc = compiled.step(
         param.data_ptr(),
         grad.data_ptr(),
         m_codes.data_ptr(),
@@ -469,4 +298,4 @@ def _unpack4(packed: Tensor, size: int) -> Tensor:
     return out
 
 
-__all__ = ["ALIGN", "backend", "cache_dir", "load_kernel", "quantized_adamw_"]
+__all__ = ["ALIGN", "quantized_adamw_"]

@@ -3,7 +3,7 @@
 Each block owns one flat, page-aligned fp32 buffer of master weights (kind ``"param"``) and,
 beside it, flat buffers of the same layout for gradients and optimizer state (other kinds).
 Everything that reads or writes a block's numbers goes through ``pinned``, so the disk tier
-(:class:`megatrain_lightning.disk.DiskStore`) only changes where these buffers live and when
+(:class:`megatrain_lightning.store.disk.DiskStore`) only changes where these buffers live and when
 they move. In this host tier every buffer stays in RAM for the store's whole life.
 """
 
@@ -17,36 +17,11 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from megatrain_lightning.blocks import Block
-from megatrain_lightning.stats import EngineStats
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.memory import host_empty
+from megatrain_lightning.telemetry.stats import EngineStats
 
 log = logging.getLogger(__name__)
-
-ALIGNMENT = 4096  # bytes; O_DIRECT needs page alignment of addresses, offsets and lengths
-
-
-def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> Tensor:
-    """A 1-D host tensor whose first byte is ``ALIGNMENT``-aligned and whose storage extends to a
-    whole number of pages (so page-sized I/O into it stays inside it)."""
-    nbytes = numel * dtype.itemsize
-    padded = -(-nbytes // ALIGNMENT) * ALIGNMENT
-    raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
-    start = -raw.data_ptr() % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype)
-
-
-def can_pin_memory() -> bool:
-    """Whether page-locked host memory is available; warns once when CUDA is there but pinning fails."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        torch.empty(1, pin_memory=True)
-        return True
-    except RuntimeError as err:  # memlock limits
-        log.warning(
-            f"megatrain: cannot pin host memory ({err}); using pageable memory, transfers will be slower."
-        )
-        return False
 
 
 class HostStore:
@@ -122,6 +97,6 @@ class HostStore:
                     dtype, numel = self.layout(block, kind)
                     # Only weights cross to the device; gradients and optimizer state stay pageable.
                     pinned = self.pin_memory and kind == "param"
-                    buf = aligned_empty(numel, dtype, pinned).zero_()
+                    buf = host_empty(numel, dtype, pinned)  # zeros: fresh pages
                     self._buffers[key] = buf
         return buf

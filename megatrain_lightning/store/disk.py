@@ -3,7 +3,7 @@ holds a bounded cache of them (``max_cpu_gb``).
 
 Files: one preallocated file per kind (``param.bin``, ``exp_avg.bin``, ...) with each block at a
 page-aligned offset, a ``manifest.json`` describing the layout, and a lock so two runs cannot
-share the folder. Cache: regions of one host buffer (:mod:`megatrain_lightning.arena`), one per
+share the folder. Cache: regions of one host buffer (:mod:`megatrain_lightning.store.arena`), one per
 (block, kind), pinned while in use; eviction frees the region whose contents are needed farthest in
 the future (Belady: ``hint`` ranks each block's weights, gradients and optimizer state by the
 trace's next use of that kind, and ``claim`` puts a submitted update's first), never a pinned one,
@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from megatrain_lightning.arena import Arena, pages, whole_pages_in
-from megatrain_lightning.blocks import Block
-from megatrain_lightning.futures import fresh_copy, result_of
-from megatrain_lightning.io import BlockFile, IOConfig, StoreIOError, io_error
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import ALIGNMENT, HostStore
-from megatrain_lightning.timeline import TIMELINE
+from megatrain_lightning.engine.futures import fresh_copy, result_of
+from megatrain_lightning.store.arena import Arena, whole_pages_in
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.memory import ALIGNMENT, pages
+from megatrain_lightning.telemetry.stats import EngineStats
+from megatrain_lightning.telemetry.timeline import TIMELINE
 
 STORE_DIRNAME = "megatrain_store"
 _NEVER = float("inf")
@@ -63,6 +64,10 @@ class _Entry:
     @property
     def busy(self) -> bool:
         return any(f is not None and not f.done() for f in (self.ready, self.writing))
+
+
+def _failed(future: Future | None) -> bool:
+    return future is not None and future.done() and future.exception() is not None
 
 
 class DiskStore(HostStore):
@@ -114,6 +119,7 @@ class DiskStore(HostStore):
             if any(entry.pins for entry in self._entries.values()):
                 raise RuntimeError("megatrain: the host cache cannot be resized while blocks are in use")
             self._entries.clear()
+            self._arena = None  # freed (and unpinned) before the new one is allocated
             self._arena = Arena(cache_bytes, self.pin_memory)
 
     # -- the store API --
@@ -151,9 +157,13 @@ class DiskStore(HostStore):
             yield {kind: entry.buf for (_, kind), entry in zip(keys, entries, strict=True)}
         finally:
             with self._cond:
-                for entry in entries:
+                for key, entry in zip(keys, entries, strict=True):
                     entry.holders.remove(me)
-                    entry.dirty |= write
+                    if _failed(entry.ready):  # never served again: the next pin reads anew
+                        if not entry.pins:
+                            self._evict(key, entry)
+                    else:
+                        entry.dirty |= write
                 self._cond.notify_all()
 
     def read(self, block: int, kind: str) -> Tensor:

@@ -15,14 +15,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from megatrain_lightning.store import ALIGNMENT, aligned_empty
+from megatrain_lightning.store.memory import ALIGNMENT, host_empty
 
 _SMALL = 1 << 20  # bytes; regions below this are placed from the top
-
-
-def pages(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole pages."""
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 def whole_pages_in(nbytes: int) -> int:
@@ -36,7 +31,7 @@ class Arena:
 
     def __init__(self, capacity: int, pin_memory: bool = False) -> None:
         self.capacity = whole_pages_in(capacity)
-        self.memory = aligned_empty(self.capacity, torch.uint8, pin_memory)
+        self.memory = host_empty(self.capacity, torch.uint8, pin_memory)
         self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (start, end)
         self.used = 0
 

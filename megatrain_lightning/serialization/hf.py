@@ -16,8 +16,13 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from megatrain_lightning.meta import building_on_meta, init_on_meta
-from megatrain_lightning.safetensors_io import ShardWriter, TensorEntry, read_header, read_into
+from megatrain_lightning.serialization.meta import building_on_meta, init_on_meta
+from megatrain_lightning.serialization.safetensors_io import (
+    ShardWriter,
+    TensorEntry,
+    read_header,
+    read_tensor,
+)
 
 WEIGHTS_ATTR = "_megatrain_weights"
 INDEX_NAME = "model.safetensors.index.json"
@@ -103,7 +108,7 @@ def find_entry(sources: list[tuple[str, WeightFiles]], aliases: list[str]) -> Te
 def export_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
     """Write a megatrain checkpoint as a ``save_pretrained`` directory (config.json, sharded safetensors
     with index), one tensor in memory at a time."""
-    from megatrain_lightning.checkpoint import CheckpointDir, replace_dir
+    from megatrain_lightning.serialization.checkpoint import CheckpointDir, replace_dir
 
     ckpt = CheckpointDir.verify(ckpt_dir)
     config = ckpt.hf_config()
@@ -128,9 +133,7 @@ def export_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> No
             {"format": "pt"},
         )
         for name in names:
-            tensor = torch.empty(entries[name].shape, dtype=entries[name].dtype)
-            read_into(entries[name], tensor)
-            writer.write(name, tensor)
+            writer.write(name, read_tensor(entries[name]))
             weight_map[name] = file
         writer.close()
     if len(shards) > 1:

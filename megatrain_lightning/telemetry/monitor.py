@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from typing_extensions import override
 
-from megatrain_lightning.timeline import TIMELINE, Timeline, render
+from megatrain_lightning.telemetry.timeline import TIMELINE, Timeline, render
 
 _PROG_BAR = ("tokens_per_s", "stall_pct")
 
@@ -113,7 +113,7 @@ class MegaTrainMonitor(pl.Callback):
         if not events:
             rank_zero_warn(
                 "MegaTrainMonitor: no engine events were recorded for the timeline (the strategy does not "
-                "report to megatrain_lightning.timeline.TIMELINE); the PNG shows empty lanes."
+                "report to megatrain_lightning.telemetry.timeline.TIMELINE); the PNG shows empty lanes."
             )
         path = self.timeline_path or Path(trainer.log_dir or trainer.default_root_dir) / (
             f"timeline_step{self._step}.png"

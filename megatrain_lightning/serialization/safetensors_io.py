@@ -90,6 +90,13 @@ def read_into(entry: TensorEntry, dst: Tensor) -> None:
         dst.copy_(target)
 
 
+def read_tensor(entry: TensorEntry) -> Tensor:
+    """One tensor, read into a new host tensor of its own dtype and shape."""
+    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    read_into(entry, tensor)
+    return tensor
+
+
 class ShardWriter:
     """One safetensors file written tensor by tensor (``write``), hashed as it goes."""
 

@@ -5,35 +5,40 @@ binds the block's slot views into the module, runs, and unbinds. With autograd i
 through :class:`_PagedCall`, an autograd function whose backward fetches the block again,
 recomputes the block (activation checkpointing) or replays its saved graph with the weights
 rebound to the new slot, computes the block's parameter gradients and offloads them at once.
-The module's own parameters stay on the meta device for their whole life: shapes for whoever
-asks, no storage anywhere but the store.
+Between calls the module holds placeholders (:mod:`megatrain_lightning.engine.placeholders`) in place of
+its parameters: shapes, device and dtype for whoever asks, no storage anywhere but the store. What a
+block's recompute may see is :mod:`megatrain_lightning.engine.recompute`'s rule.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from megatrain_lightning.blocks import Block, CallSite, discover_blocks
-from megatrain_lightning.disk import DiskStore
-from megatrain_lightning.grads import HostGrads
-from megatrain_lightning.hf import find_entry, weight_sources
-from megatrain_lightning.io import IOConfig
-from megatrain_lightning.pager import Pager
-from megatrain_lightning.safetensors_io import read_into
-from megatrain_lightning.stats import EngineStats
-from megatrain_lightning.store import HostStore
-from megatrain_lightning.timeline import TIMELINE
-from megatrain_lightning.trace import UpdateCadence
+from megatrain_lightning.engine.blocks import CallSite, discover_blocks
+from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.pager import Pager
+from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
+from megatrain_lightning.engine.recompute import ForwardState, discarding_saved_tensors, training_arguments
+from megatrain_lightning.engine.trace import UpdateCadence
+from megatrain_lightning.serialization.hf import find_entry, weight_sources
+from megatrain_lightning.serialization.safetensors_io import read_into
+from megatrain_lightning.store.disk import DiskStore
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.io import IOConfig
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.telemetry.stats import EngineStats
+from megatrain_lightning.telemetry.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +71,6 @@ class EngineConfig:
         )
 
 
-# The engine that holds a module's weights, for as long as the module lives: a later Trainer (or
-# strategy) over the same module continues from the same store instead of finding meta parameters.
-_ENGINES: weakref.WeakKeyDictionary[nn.Module, Engine] = weakref.WeakKeyDictionary()
-
-
 class Engine:
     def __init__(self, model: nn.Module, blocks: list[Block], config: EngineConfig) -> None:
         self.blocks = blocks
@@ -81,9 +81,12 @@ class Engine:
         self._cadence = UpdateCadence()
         # Qualified parameter name (every alias of a tied weight) -> (block, index in block).
         self.locations: dict[str, tuple[int, int]] = {}
-        self._meta: list[list[nn.Parameter]] = []
+        self._placeholders: list[list[nn.Parameter]] = []
         self._anchor = torch.zeros((), requires_grad=True)
         self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see _load_hook)
+        self._uninstall: list[Callable[[], None]] = []
+        # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
+        self.guard_training_reads = False
         self.config = config
         self.pager = self._make_pager(config)
         self._adopt(model)
@@ -97,14 +100,14 @@ class Engine:
         block_classes: Iterable[str | type] | None,
         make_config: Callable[[list[Block]], EngineConfig],
     ) -> Engine:
-        """The engine of ``model``: created on first use, reconfigured (same store) afterwards."""
-        engine = _ENGINES.get(model)
-        if engine is None:
-            blocks = discover_blocks(model, block_classes)
-            engine = _ENGINES[model] = cls(model, blocks, make_config(blocks))
-        else:
+        """The engine of ``model``: created on first use, reconfigured (same store) afterwards. A module
+        whose weights an engine holds keeps that engine alive through its placeholders."""
+        engine = weight_source_of(model)
+        if isinstance(engine, Engine):
             engine.configure(make_config(engine.blocks))
-        return engine
+            return engine
+        blocks = discover_blocks(model, block_classes)
+        return cls(model, blocks, make_config(blocks))
 
     def configure(self, config: EngineConfig) -> None:
         """New device, dtype or slot budget; the store, and so the weights, stay."""
@@ -112,16 +115,24 @@ class Engine:
             return
         fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir")
         if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
-            raise RuntimeError(
+            raise MisconfigurationException(
                 f"megatrain: this model's store was built for {self.config.device} with offload_dir="
                 f"{self.config.offload_dir!r}; a later strategy must use the same device and tier."
             )
-        self.wait_all()
+        if self.optimizer is not None:  # a failure of its updates reached the user with the run it stopped
+            self.optimizer.close()
+            self.optimizer = None
+        self.grads.flush()
         self.pager.close()
+        del self.pager  # its slots are freed before the new pager allocates its own
         if isinstance(self.store, DiskStore):
             self.store.resize_cache(config.cache_bytes)
         self.config = config
         self.pager = self._make_pager(config)
+
+    def invalidate(self, block: int) -> None:
+        """``block``'s master weights are about to change: forget its device copy."""
+        self.pager.invalidate(block)
 
     def _make_pager(self, config: EngineConfig) -> Pager:
         return Pager(
@@ -165,12 +176,21 @@ class Engine:
                     elif not original.is_meta:
                         view.copy_(original.detach())
             self.store.written(block.index, ["param"])
-            metas = [
-                nn.Parameter(torch.empty(s.shape, device="meta"), requires_grad=s.requires_grad)
-                for s in block.params
+            placeholders = [
+                ParamPlaceholder.make_parameter(
+                    self,
+                    block.index,
+                    index,
+                    spec.name,
+                    shape=spec.shape,
+                    dtype=torch.float32,
+                    device=self.config.device,
+                    requires_grad=spec.requires_grad,
+                )
+                for index, spec in enumerate(block.params)
             ]
-            self._meta.append(metas)
-            self._bind_all(block, metas)
+            self._placeholders.append(placeholders)
+            self._bind_all(block, placeholders)
         if sources and missing:
             log.warning(
                 f"megatrain: {len(missing)} parameters are not in the checkpoint; initialized: {missing[:5]}"
@@ -204,13 +224,46 @@ class Engine:
                 binding.owner._parameters[binding.attr] = tensors[binding.index]
 
     def _install(self) -> None:
-        """Page each call site's forward; its ``state_dict``/``load_state_dict`` read and write the store."""
+        """Page each call site's forward; its ``state_dict``/``load_state_dict`` read and write the store.
+        Each change is recorded with its undo (``uninstall``)."""
         for block in self.blocks:
             for site in block.sites:
-                site.module.forward = functools.partial(self._paged_forward, site, site.module.forward)
-                site.module._register_state_dict_hook(functools.partial(self._state_dict_hook, site))
-                site.module._register_load_state_dict_pre_hook(functools.partial(self._load_hook, site))
-                site.module.register_load_state_dict_post_hook(self._forget_loaded_keys)
+                module = site.module
+                own_forward = module.__dict__.get("forward")
+                module.forward = _PagedForward(self, site, module.forward)
+                self._uninstall.append(functools.partial(_restore_forward, module, own_forward))
+                handles = [
+                    module.register_state_dict_post_hook(
+                        _EngineHook(functools.partial(self._state_dict_hook, site))
+                    ),
+                    module.register_load_state_dict_pre_hook(
+                        _EngineHook(functools.partial(self._load_hook, site))
+                    ),
+                    module.register_load_state_dict_post_hook(_EngineHook(self._forget_loaded_keys)),
+                ]
+                self._uninstall.extend(handle.remove for handle in handles)
+
+    def uninstall(self) -> None:
+        """Give the call sites back their own forwards and state-dict behaviour (parameters stay
+        placeholders: the store keeps the weights)."""
+        while self._uninstall:
+            self._uninstall.pop()()
+
+    # -- what placeholders ask (see megatrain_lightning.engine.placeholders) --
+
+    def read_param(self, block: int, index: int) -> Tensor:
+        """A copy of one parameter's current master weights."""
+        self._wait_for_update(block)
+        with self.store.pinned(block, "param") as flat:
+            return self.blocks[block].views(flat)[index].clone()
+
+    def read_grad(self, block: int, index: int) -> Tensor | None:
+        """A copy of one parameter's gradient summed since the optimizer's last ``zero_grad``."""
+        self.grads.flush()
+        if index not in self.grads.present(block):
+            return None
+        with self.store.pinned(block, "grad") as flat:
+            return self.blocks[block].views(flat)[index].clone()
 
     def _state_dict_hook(
         self, site: CallSite, module: nn.Module, state: dict, prefix: str, meta: Any
@@ -237,7 +290,7 @@ class Engine:
                     del state[key]
                     self._loaded_keys.add(key)
         self.store.written(block, ["param"])
-        self.pager.invalidate(block)
+        self.invalidate(block)
 
     def _forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded_keys]
@@ -251,6 +304,7 @@ class Engine:
         self.grads.close()
         self.pager.close()
         self.store.close()
+        self.uninstall()
 
     # -- running --
 
@@ -285,15 +339,18 @@ class Engine:
             self.optimizer.wait(block)
 
     def _paged_forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]
-        tensors = [flat[i] for i in positions]
-        trains = any(p.requires_grad for p in site.block.params) or any(t.requires_grad for t in tensors)
-        call = _Call(forward, flat, spec, positions)
+        placeholders = self._placeholders[site.block.index]
+        trains = any(placeholders[i].requires_grad for i in site.param_indices) or any(
+            t.requires_grad for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)
+        )
         if not (torch.is_grad_enabled() and trains):
             with self._resident(site, backward=False, grad=False), TIMELINE.span("compute"):
                 return forward(*args, **kwargs)
-        outputs = _PagedCall.apply(self, site, call, self._anchor, *tensors)
+        args, kwargs = training_arguments(site.module, forward, args, kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]
+        call = _Call(forward, flat, spec, positions)
+        outputs = _PagedCall.apply(self, site, call, self._anchor, *[flat[i] for i in positions])
         return call.rebuild_outputs(outputs)
 
     @contextlib.contextmanager
@@ -304,17 +361,20 @@ class Engine:
         block = site.block
         slot = self.pager.acquire(block.index, backward)
         try:
+            placeholders = self._placeholders[block.index]
             tensors = {}
             for index in site.param_indices:
                 p = block.params[index]
                 view = slot[p.offset : p.offset + p.numel].view(p.shape)
-                tensors[index] = view.detach().requires_grad_(p.requires_grad) if grad else view
+                tensors[index] = (
+                    view.detach().requires_grad_(placeholders[index].requires_grad) if grad else view
+                )
             for binding in site.bindings:
                 binding.owner._parameters[binding.attr] = tensors[binding.index]
             yield slot, tensors
         finally:
             for binding in site.bindings:
-                binding.owner._parameters[binding.attr] = self._meta[block.index][binding.index]
+                binding.owner._parameters[binding.attr] = self._placeholders[block.index][binding.index]
             self.pager.release(block.index)
 
     def _offload(
@@ -340,6 +400,45 @@ class Engine:
 
 def _nothing() -> None:
     return None
+
+
+class _PagedForward:
+    """A call site's ``forward`` while the engine holds its weights. A deep copy of the module (whose
+    parameters the copy materializes) gets the module's own forward back."""
+
+    def __init__(self, engine: Engine, site: CallSite, forward: Callable) -> None:
+        self.engine, self.site, self.forward = engine, site, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine._paged_forward(self.site, self.forward, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
+        return copy.deepcopy(self.forward, memo)
+
+
+class _EngineHook:
+    """A state-dict hook that reads or writes the store; inert in a deep copy of the module."""
+
+    def __init__(self, function: Callable) -> None:
+        # Not named `hook`: torch's `_WrappedHook` copies this object's attributes onto itself.
+        self.function = function
+
+    def __call__(self, *args: Any) -> None:
+        self.function(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
+        return _nothing_with
+
+
+def _nothing_with(*args: Any) -> None:
+    return None
+
+
+def _restore_forward(module: nn.Module, own_forward: Callable | None) -> None:
+    if own_forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = own_forward
 
 
 @dataclass(eq=False)
@@ -390,16 +489,15 @@ class _PagedCall(torch.autograd.Function):
         ctx: Any, engine: Engine, site: CallSite, call: _Call, anchor: Tensor, *tensors: Tensor
     ) -> Any:
         ctx.engine, ctx.site, ctx.call = engine, site, call
-        device_type = engine.config.device.type
-        ctx.autocast = (
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-        )
         if engine.config.activation_checkpointing:
-            ctx.rng = _rng_state(engine.config.device)
-            with engine._resident(site, backward=False, grad=False), TIMELINE.span("compute"):
-                outputs = call.run(tensors)
+            ctx.forward_state = ForwardState.capture(engine.config.device)
+            with (
+                engine._resident(site, backward=False, grad=True),
+                torch.enable_grad(),
+                discarding_saved_tensors(),
+                TIMELINE.span("compute"),
+            ):
+                outputs = call.run(_detached(tensors))
             ctx.save_for_backward(*tensors)
         else:
             with engine._resident(site, backward=False, grad=True) as (slot, leaves):
@@ -445,12 +543,7 @@ class _PagedCall(torch.autograd.Function):
             if checkpointed:
                 inputs = _detached(ctx.saved_tensors)
                 leaves = bound
-                device_type, enabled, dtype = ctx.autocast
-                with (
-                    torch.enable_grad(),
-                    _restored_rng(engine.config.device, ctx.rng),
-                    torch.autocast(device_type, dtype=dtype, enabled=enabled),
-                ):
+                with torch.enable_grad(), ctx.forward_state.restored():
                     outputs = call.run(inputs)
             else:
                 ctx.slot_holder[:] = [slot]
@@ -474,22 +567,6 @@ class _PagedCall(torch.autograd.Function):
         engine._offload(site, wrt_leaves, list(grads[len(wrt_inputs) :]), last_use)
         input_grads = iter(grads[: len(wrt_inputs)])
         return (None, None, None, None, *[next(input_grads) if t.requires_grad else None for t in inputs])
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _restored_rng(device: torch.device, state: tuple[Tensor, Tensor | None]) -> Iterator[None]:
-    """Replay the forward's random numbers (dropout) during recomputation, then restore the RNG."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
 
 
 def _hf_initializer(model: nn.Module) -> Callable[[nn.Module], None] | None:

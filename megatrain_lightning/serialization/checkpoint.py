@@ -3,6 +3,7 @@
 Layout of ``<name>.ckpt/``::
 
     manifest.json              every file with its size and SHA-256; written last
+    README.txt                 how to read this directory without megatrain's strategy
     lightning.pt               Lightning's own state (loops, schedulers, callbacks, hyperparameters, RNG),
                                loadable with ``torch.load(weights_only=True)``
     model/block-NNNNN.safetensors      fp32 weights, named as in the LightningModule's state_dict
@@ -12,11 +13,15 @@ Layout of ``<name>.ckpt/``::
 
 Everything is written under ``<name>.ckpt.tmp-<pid>`` and renamed into place once complete, so
 a crash leaves the previous checkpoint intact and nothing that looks complete but is not.
+``open_checkpoint`` and ``convert_checkpoint`` turn a checkpoint of a model that fits in RAM into
+a standard single-file Lightning checkpoint.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -26,18 +31,28 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from megatrain_lightning.hf import WeightFiles
-from megatrain_lightning.safetensors_io import (
+from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim.adamw import COMPRESSIONS
+from megatrain_lightning.serialization.hf import WeightFiles
+from megatrain_lightning.serialization.safetensors_io import (
     SafetensorsError,
     ShardWriter,
+    TensorEntry,
     read_header,
     read_into,
+    read_tensor,
     sha256_file,
 )
+from megatrain_lightning.store.preflight import available_ram_bytes
 
 FORMAT = "megatrain-checkpoint"
 MANIFEST = "manifest.json"
 LIGHTNING_STATE = "lightning.pt"
+README = """This directory is a megatrain checkpoint: resume it with `Trainer(strategy="megatrain")` and
+`fit(ckpt_path=<this directory>)`. `torch.load` and `LightningModule.load_from_checkpoint` need a file:
+    MyModule.load_from_checkpoint(megatrain_lightning.open_checkpoint("<this directory>"))
+or convert it once to a standard single-file checkpoint:  megatrain convert <this directory> out.ckpt
+"""
 
 
 class CheckpointError(MisconfigurationException):
@@ -204,6 +219,22 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
         writer.text("model/config.json", found[1].config.to_json_string())
         writer.manifest["hf_prefix"] = found[0]
     writer.manifest["blocks"] = [[[p.name, list(p.shape)] for p in b.params] for b in engine.blocks]
+    # What a standard checkpoint needs besides the tensors (see ``to_lightning``): every other name of a
+    # tied weight, where each parameter sits in its block's flat state, and the optimizer's numbering.
+    writer.manifest["aliases"] = {
+        name: engine.blocks[b].params[i].name
+        for name, (b, i) in engine.locations.items()
+        if name != engine.blocks[b].params[i].name
+    }
+    writer.manifest["layout"] = [
+        {"numel": b.numel, "offsets": [p.offset for p in b.params]} for b in engine.blocks
+    ]
+    if optimizer is not None:
+        writer.manifest["optimizer"] = {
+            "compression": optimizer.compression,
+            "params": [engine.blocks[b].params[i].name for b, i in optimizer._order],
+        }
+    writer.text("README.txt", README)
     writer.lightning_state(lightning_state)
     writer.publish()
 
@@ -225,20 +256,126 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
             for spec, view in zip(block.params, block.views(flat), strict=True):
                 read_into(entries[spec.name], view)
         engine.store.written(block.index, ["param"])
-        engine.pager.invalidate(block.index)
+        engine.invalidate(block.index)
     for name, entry in ckpt.buffers().entries.items():
-        buffer = module.get_buffer(name)
-        value = torch.empty(entry.shape, dtype=entry.dtype)
-        read_into(entry, value)
-        buffer.copy_(value)
+        module.get_buffer(name).copy_(read_tensor(entry))
 
 
 def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     entries = ckpt.optimizer().entries
     for block in engine.blocks:
-        tensors = {}
-        for name, entry in entries.items():
-            if entry.path.endswith(_block_file("optimizer", block.index)):
-                tensors[name.split(":", 1)[1]] = tensor = torch.empty(entry.shape, dtype=entry.dtype)
-                read_into(entry, tensor)
-        optimizer.load_block_state(block.index, tensors)
+        optimizer.load_block_state(block.index, _optimizer_block(entries, block.index))
+
+
+def _optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, Tensor]:
+    """One block's saved optimizer state by kind (``exp_avg``, ``step``, ...)."""
+    file = _block_file("optimizer", block)
+    return {
+        name.split(":", 1)[1]: read_tensor(entry)
+        for name, entry in entries.items()
+        if entry.path.endswith(file)
+    }
+
+
+# -- reading a checkpoint directory as a standard single-file Lightning checkpoint --
+
+
+def open_checkpoint(path: str | os.PathLike) -> io.BytesIO:
+    """A megatrain checkpoint directory as an in-memory standard Lightning checkpoint (what the default
+    strategy saves), for everything that reads one::
+
+        MyModule.load_from_checkpoint(megatrain_lightning.open_checkpoint(path))
+        torch.load(megatrain_lightning.open_checkpoint(path), weights_only=True)
+
+    The model and optimizer state must fit in RAM twice (the dict and its serialized bytes); otherwise
+    use :func:`convert_checkpoint`, or ``megatrain export`` for the weights alone."""
+    buffer = io.BytesIO()
+    torch.save(to_lightning(path, copies=2), buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Write a megatrain checkpoint directory as a standard single-file ``.ckpt`` at ``out`` (written
+    under a temporary name, then renamed), which any strategy resumes with ``fit(ckpt_path=out)``.
+    ``megatrain convert CKPT OUT`` does the same from the shell."""
+    out = os.fspath(out)
+    if os.path.isdir(out):
+        raise CheckpointError(f"{out} is a directory; name the single checkpoint file to write.")
+    state = to_lightning(path, copies=1)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def to_lightning(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
+    """The checkpoint as the dict the default strategy saves: ``state_dict`` with every key of the module's
+    own (fp32; a tied weight under each of its names, sharing storage), ``optimizer_states`` in
+    ``torch.optim.AdamW``'s format (compressed moments decoded to fp32), and the rest of Lightning's state
+    as saved. Everything is read into RAM: ``copies`` times the state must fit there."""
+    ckpt = CheckpointDir.verify(path)
+    if "layout" not in ckpt.manifest:
+        raise CheckpointError(
+            f"{ckpt.path} was written by an older megatrain that did not record what a single-file "
+            "checkpoint needs; resume it under megatrain and save it again."
+        )
+    _check_fits_in_ram(ckpt, copies)
+    state = ckpt.lightning_state()
+    state.pop("megatrain_rng", None)
+    weights = {name: read_tensor(entry) for name, entry in ckpt.weights().entries.items()}
+    state_dict = dict(weights)
+    state_dict.update({alias: weights[name] for alias, name in ckpt.manifest["aliases"].items()})
+    state_dict.update({name: read_tensor(entry) for name, entry in ckpt.buffers().entries.items()})
+    state["state_dict"] = state_dict
+    if state.get("optimizer_states") and "optimizer" in ckpt.manifest:
+        state["optimizer_states"][0]["state"] = _adam_state(ckpt)
+    return state
+
+
+def _check_fits_in_ram(ckpt: CheckpointDir, copies: int) -> None:
+    weights = sum(info["bytes"] for name, info in ckpt.manifest["files"].items() if name.startswith("model/"))
+    need = copies * weights * (3 if "optimizer" in ckpt.manifest else 1)  # fp32 weights, Adam m and v
+    available = available_ram_bytes()
+    if need > available:
+        raise CheckpointError(
+            f"Reading {ckpt.path} as a single-file checkpoint needs about {need / 1e9:.2f} GB of RAM, but "
+            f"{available / 1e9:.2f} GB are available. Resume it under megatrain (`fit(ckpt_path=...)` with "
+            "`strategy='megatrain'`), or export its weights with `megatrain export` (one tensor at a time)."
+        )
+
+
+def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
+    """The per-block flat moments as ``torch.optim.AdamW``'s per-parameter state, numbered in param-group
+    order; parameters never stepped have no state, as in torch."""
+    info = ckpt.manifest["optimizer"]
+    bits = COMPRESSIONS[info["compression"]]
+    number = {name: i for i, name in enumerate(info["params"])}
+    entries = ckpt.optimizer().entries
+    state: dict[int, dict[str, Tensor]] = {}
+    for block, (params, layout) in enumerate(
+        zip(ckpt.manifest["blocks"], ckpt.manifest["layout"], strict=True)
+    ):
+        saved = _optimizer_block(entries, block)
+        m, v = saved["exp_avg"], saved["exp_avg_sq"]
+        quantized = layout["numel"] - m.numel()  # elements [0, quantized) have block-quantized moments
+        if quantized:
+            m = torch.cat([codecs.dequantize(saved["m_codes"], saved["m_scales"], "m", bits, quantized), m])
+            v = torch.cat([codecs.dequantize(saved["v_codes"], saved["v_scales"], "v", bits, quantized), v])
+        steps = saved["step"].tolist()
+        for index, ((name, shape), offset) in enumerate(zip(params, layout["offsets"], strict=True)):
+            if name not in number or steps[index] == 0:
+                continue
+            end = offset + math.prod(shape)
+            state[number[name]] = {
+                "step": torch.tensor(float(steps[index])),
+                "exp_avg": m[offset:end].view(shape).clone(),
+                "exp_avg_sq": v[offset:end].view(shape).clone(),
+            }
+    return dict(sorted(state.items()))

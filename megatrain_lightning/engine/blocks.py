@@ -1,8 +1,9 @@
 """Partition a model into blocks: the units whose parameters page together.
 
 A block is either one instance of a *block class* (for Hugging Face models the classes in
-``_no_split_modules``, e.g. ``LlamaDecoderLayer``) or, for parameters outside every such
-instance, the modules that own them directly (embeddings, final norm, head). Modules that
+``_no_split_modules``, e.g. ``LlamaDecoderLayer``; for other models the class of the repeated
+layer list) or, for parameters outside every such instance, the modules that own them directly
+(embeddings, final norm, head). Modules that
 share a parameter (GPT-2's tied ``wte``/``lm_head``) are merged into one block, so every
 parameter is stored exactly once.
 
@@ -13,22 +14,12 @@ site per module that reaches its parameters (two for a tied embedding/head block
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """Where one parameter lives inside its block's flat buffer."""
-
-    name: str
-    shape: torch.Size
-    offset: int
-    numel: int
-    requires_grad: bool
+from megatrain_lightning.store.layout import SMALL_PARAM, Block, ParamSpec, align_up
 
 
 @dataclass(frozen=True)
@@ -55,41 +46,32 @@ class CallSite:
         return list(dict.fromkeys(b.index for b in self.bindings))
 
 
-@dataclass(eq=False)
-class Block:
-    """A paging unit. Its flat layout puts large parameters first and small ones (under
-    ``SMALL_PARAM`` elements: norms, biases) after ``large_numel``, each starting on an
-    ``ALIGN``-element boundary, so that block-wise quantized optimizer state covers whole
-    parameters and small ones can keep fp32 state."""
-
-    index: int
-    name: str
-    params: list[ParamSpec] = field(default_factory=list)
-    sites: list[CallSite] = field(default_factory=list)
-    numel: int = 0  # length of the flat buffer, padding included
-    large_numel: int = 0  # where the small parameters begin
-    repeated: bool = False  # an instance of a block class (a decoder layer), not embeddings/head
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's shaped view into a flat buffer of this block's layout."""
-        return [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params]
-
-
-ALIGN = 256  # elements; a multiple of every quantization block size
-SMALL_PARAM = 4096
-
-
-def align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _repeated_layer_class(model: nn.Module) -> str | None:
+    """The class of the model's repeated layers: the children of the ``nn.ModuleList`` of two or more
+    modules of one class that holds the most parameters (nested lists, e.g. experts, hold fewer)."""
+    best, best_numel = None, 0
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        classes = {type(child) for child in module}
+        numel = sum(p.numel() for p in module.parameters())
+        if len(classes) == 1 and numel > best_numel:
+            best, best_numel = classes.pop().__name__, numel
+    return best
 
 
 def _class_names(block_classes: Iterable[str | type] | None, model: nn.Module) -> set[str]:
+    """``block_classes`` if given, else the Hugging Face ``_no_split_modules`` that the model contains,
+    else the repeated layer class."""
     if block_classes:
         return {c if isinstance(c, str) else c.__name__ for c in block_classes}
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    return names
+    if names & {type(module).__name__ for module in model.modules()}:
+        return names
+    repeated = _repeated_layer_class(model)
+    return {repeated} if repeated else set()
 
 
 def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None = None) -> list[Block]:
@@ -97,8 +79,9 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     class_names = _class_names(block_classes, model)
     if not class_names:
         raise MisconfigurationException(
-            f"Cannot find the blocks of {type(model).__name__}: it names no `_no_split_modules`. Pass the "
-            "decoder-layer classes, e.g. `MegaTrainStrategy(block_classes=['LlamaDecoderLayer'])`."
+            f"Cannot find the blocks of {type(model).__name__}: it names no `_no_split_modules` and has no "
+            "repeated layer list (an `nn.ModuleList` of two or more layers of one class). Pass the layer "
+            "classes, e.g. `MegaTrainStrategy(block_classes=['LlamaDecoderLayer'])`."
         )
     block_roots: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
@@ -113,13 +96,15 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     def in_block(name: str) -> bool:
         return any(name == r or name.startswith(r + ".") for r in block_roots)
 
-    # Modules outside every block that own parameters directly each become a call site.
+    # Modules outside every block that own parameters directly each become a call site, unless an outer
+    # one already is: its call binds every parameter below it (Inkling's embedding owns its own norm).
     owners: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if (
             not in_block(name)
             and module._parameters
             and any(p is not None for p in module._parameters.values())
+            and not any(name.startswith(outer + ".") for outer in owners if outer)
         ):
             owners.setdefault(name, module)
     for name in owners:

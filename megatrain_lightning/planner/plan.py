@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from megatrain_lightning.blocks import discover_blocks
+from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.models import llama_config, resolve_config, tiny_config
 
 GB = 1e9
@@ -366,8 +366,9 @@ def _count(n: int) -> str:
 
 
 LEGEND = (
-    "GPU GB: GPU memory used: plain AdamW fp32 weights, gradients, Adam state and activations; ZeRO-Offload",
-    "  weights in the compute dtype and activations; megatrain its slots (slots x slot GB) and activations.",
+    "GPU GB: GPU memory used: plain AdamW fp32 weights, gradients, Adam state and activations;",
+    "  ZeRO-Offload weights in the compute dtype and activations; megatrain its slots (slots x GB per",
+    "  slot) and activations.",
     "host GB: RAM used: ZeRO-Offload fp32 weights and Adam state; megatrain the store and gradients (host",
     "  tier) or their cache (disk tier), = cache GB. disk GB: the disk tier's files.",
     "fits: within the machine less the reserve; for megatrain, at its least (2 slots, the blocks in use).",

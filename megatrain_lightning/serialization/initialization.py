@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatrain_lightning.store.memory import host_empty
+
 # In-place ops that draw from the global generator (``generator=None``).
 _RANDOM_OPS = frozenset(
     f"aten.{name}_"
@@ -73,7 +75,6 @@ class InitRecorder(TorchDispatchMode):
         self._ops: dict[int, list[_Op]] = {}  # id(meta parameter or its base) -> ops, in order
         self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their ids stay unique
         self._nested = False
-        self._buffer: Tensor | None = None
 
     def __enter__(self) -> InitRecorder:
         """Inside another recorder this one shares its record: recording twice would draw twice."""
@@ -88,7 +89,6 @@ class InitRecorder(TorchDispatchMode):
         if self._nested:
             return
         _active.recorder = None
-        self._buffer = None
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -112,21 +112,17 @@ class InitRecorder(TorchDispatchMode):
         rng_state = None
         if str(func.overloadpacket) in _RANDOM_OPS and kwargs.get("generator") is None:
             rng_state = torch.get_rng_state()
-            size, stride, offset = geometry or (tuple(base.shape), tuple(base.stride()), 0)
-            scratch = self._scratch(base).as_strided(size, stride, offset)
+            # An anonymous map, returned to the system when freed: heap scratch of every size stays in RSS.
+            extent = 1 + sum(
+                (size - 1) * stride for size, stride in zip(base.shape, base.stride(), strict=True)
+            )
+            scratch = host_empty(extent, base.dtype).as_strided(base.shape, base.stride())
+            if geometry is not None:
+                scratch = scratch.as_strided(geometry[0], geometry[1], geometry[2])
             func(scratch, *args[1:], **kwargs)  # advance the generator as a plain build does
         self._ops.setdefault(id(base), []).append(_Op(func, args[1:], kwargs, geometry, rng_state))
         self._keep.append(base)
         return func(*args, **kwargs)
-
-    def _scratch(self, base: Tensor) -> Tensor:
-        """A CPU tensor with room for ``base``: one buffer, grown as needed, so that memory stays at the
-        largest parameter (fresh tensors of every size leave the allocator holding far more)."""
-        nbytes = base.untyped_storage().nbytes()
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = None
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffer[:nbytes].view(base.dtype)
 
     def install_all(self, root: nn.Module) -> None:
         """:meth:`install` on every outermost Hugging Face model inside ``root`` (e.g. a LightningModule

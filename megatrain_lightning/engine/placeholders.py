@@ -1,0 +1,161 @@
+"""What a module's parameters are between block calls: placeholders that know where the weights are.
+
+Under megatrain a parameter's numbers live in the store and visit the device only while its block
+runs. Outside its block the module holds a :class:`ParamPlaceholder` in its place: a tensor without
+storage that reports the shape, the compute device and the dtype the default strategy would show
+(Llama-4 moves its inputs to ``embed_tokens.weight.device``; ``model.dtype`` picks mask values), and
+keeps the user's ``requires_grad`` flag (unfreezing callbacks set it). Reading its *values* (a
+weight-norm callback, ``copy.deepcopy`` for an EMA copy) gives a copy read from the store; where that
+would silently lose a gradient (inside ``training_step`` with autograd on) or change the weights
+behind the store's back (in-place ops), it raises an error that names megatrain and the parameter.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+
+class WeightSource(Protocol):
+    """What a placeholder asks its engine (the engine implements it)."""
+
+    guard_training_reads: bool
+
+    def read_param(self, block: int, index: int) -> Tensor: ...
+
+    def read_grad(self, block: int, index: int) -> Tensor | None: ...
+
+
+class ParamPlaceholder(Tensor):
+    """Stands for parameter ``index`` of ``block`` in the engine's store (see the module docstring)."""
+
+    _source: WeightSource
+    _block: int
+    _index: int
+    _name: str
+
+    @staticmethod
+    def __new__(
+        cls,
+        source: WeightSource,
+        block: int,
+        index: int,
+        name: str,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        requires_grad: bool = False,
+    ) -> ParamPlaceholder:
+        t = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        t._source, t._block, t._index, t._name = source, block, index, name
+        return t
+
+    @classmethod
+    def make_parameter(
+        cls, source: WeightSource, block: int, index: int, name: str, **meta: Any
+    ) -> nn.Parameter:
+        """A placeholder that ``isinstance(..., nn.Parameter)`` accepts, as modules hold them."""
+        requires_grad = meta.pop("requires_grad", True)
+        return nn.Parameter(cls(source, block, index, name, **meta), requires_grad=requires_grad)
+
+    def _like(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> ParamPlaceholder:
+        return ParamPlaceholder(
+            self._source,
+            self._block,
+            self._index,
+            self._name,
+            self.shape,
+            dtype or self.dtype,
+            device or self.device,
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (
+            f"megatrain parameter {self._name} (shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}; weights in the store)"
+        )
+
+    def materialize(self) -> Tensor:
+        """A copy of the current weights, in this placeholder's dtype and on its device."""
+        return self._source.read_param(self._block, self._index).to(self.device, self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        placeholders = [a for a in args if isinstance(a, ParamPlaceholder)]
+        first = placeholders[0] if placeholders else None
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and first is args[0]:
+            return first._like()  # `p.data`, `p.detach()`: still a placeholder
+        if func is torch.ops.aten._to_copy.default and first is args[0] and set(kwargs) <= _METADATA_ONLY:
+            # `module.to(dtype)` (bf16-true) or `module.to(device)`: what it reports changes, not the store.
+            return first._like(kwargs.get("dtype"), kwargs.get("device"))
+        if first is None:  # a placeholder in kwargs only (e.g. `out=`): treat it like any other argument
+            first = next(v for v in kwargs.values() if isinstance(v, ParamPlaceholder))
+        if func._schema.is_mutable:
+            raise RuntimeError(
+                f"megatrain: `{first._name}` cannot be changed in place ({func}): its weights live in "
+                "megatrain's store. Use `module.load_state_dict(...)` to set weights."
+            )
+        if first._source.guard_training_reads and torch.is_grad_enabled() and first.requires_grad:
+            raise RuntimeError(
+                f"megatrain: `{first._name}` was read outside the block that owns it during `training_step` "
+                f"({func}); its gradient would be lost. Read parameters only inside their own module's "
+                "forward, or name the module that reads it in `MegaTrainStrategy(block_classes=...)`."
+            )
+        return func(*tree_map(_materialized, args), **tree_map(_materialized, kwargs))
+
+    @property
+    def grad(self) -> Tensor | None:  # type: ignore[override]
+        """A copy of the gradient accumulated in the store (warned once), ``None`` when there is none."""
+        grad = self._source.read_grad(self._block, self._index)
+        if grad is not None:
+            _warn_grad_copy()
+            return grad.to(self.device, self.dtype)
+        return None
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        if value is not None:
+            raise RuntimeError(
+                f"megatrain: `{self._name}.grad` cannot be assigned: gradients are summed in megatrain's "
+                "store."
+            )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        """A real parameter holding a copy of the weights (an EMA copy of the model is a plain model)."""
+        return nn.Parameter(self.materialize(), requires_grad=self.requires_grad)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_rebuild_parameter, (self.materialize(), self.requires_grad))
+
+
+_METADATA_ONLY = {"dtype", "device", "layout", "non_blocking", "memory_format"}
+
+
+def _materialized(value: Any) -> Any:
+    return value.materialize() if isinstance(value, ParamPlaceholder) else value
+
+
+def _rebuild_parameter(data: Tensor, requires_grad: bool) -> nn.Parameter:
+    return nn.Parameter(data, requires_grad=requires_grad)
+
+
+def _warn_grad_copy() -> None:
+    # Python's default warning filter shows it once per process.
+    warnings.warn(
+        "megatrain: `p.grad` is a copy of the gradient summed in megatrain's store (the device never "
+        "holds all gradients at once); each read copies it from host memory or disk.",
+        stacklevel=3,
+    )
+
+
+def weight_source_of(module: nn.Module) -> WeightSource | None:
+    """The engine holding ``module``'s weights, found through its placeholders (no global registry)."""
+    for param in module.parameters():
+        if isinstance(param, ParamPlaceholder):
+            return param._source
+    return None

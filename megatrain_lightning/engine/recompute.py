@@ -1,0 +1,115 @@
+"""The recompute rule: a block's second run sees exactly what its first run saw and changes nothing else.
+
+A block's forward runs twice under activation checkpointing (in forward, and again in backward).
+The rule follows ``torch.utils.checkpoint``'s non-reentrant semantics: both runs happen in the grad
+mode the plain model would use, with the same RNG and autocast state. And, as Hugging Face's own
+``GradientCheckpointingLayer`` does, a block never receives a key/value cache in a training pass:
+``DynamicCache.update`` appends, so a recompute would attend over every key twice (or crash on a
+shape mismatch for models that build explicit masks). Inference keeps its cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# What Hugging Face layers call the cache they append to, by keyword or position.
+CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
+
+
+def training_arguments(
+    module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    """``args``/``kwargs`` for a call of ``module`` in a training pass: caches dropped, ``use_cache`` off.
+
+    Layers that only read their cache say so with HF's ``_can_checkpoint_with_cache`` and keep it.
+    """
+    keep_cache = getattr(module, "_can_checkpoint_with_cache", False)
+    names = _positional_names(forward)
+    new_args = tuple(
+        _scrubbed(names[i] if i < len(names) else None, value, keep_cache) for i, value in enumerate(args)
+    )
+    new_kwargs = {name: _scrubbed(name, value, keep_cache) for name, value in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def _scrubbed(name: str | None, value: Any, keep_cache: bool) -> Any:
+    if name == "use_cache" and value:
+        return False
+    if keep_cache or value is None:
+        return value
+    if name in CACHE_ARGUMENTS or _is_cache(value):
+        return None
+    return value
+
+
+def _is_cache(value: Any) -> bool:
+    cache_utils = sys.modules.get("transformers.cache_utils")  # only models that imported it pass caches
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+@functools.cache
+def _positional_names_of(function: Callable) -> tuple[str, ...]:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # builtins and the like: only keyword names are known
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def _positional_names(forward: Callable) -> tuple[str, ...]:
+    """Names of ``forward``'s positional parameters, ``self`` excluded for bound methods."""
+    function = getattr(forward, "__func__", None)
+    if function is None:
+        return _positional_names_of(forward)
+    return _positional_names_of(function)[1:]
+
+
+@dataclass(frozen=True)
+class ForwardState:
+    """What a block's first run saw and its recompute must see again (``torch.utils.checkpoint`` keeps
+    the same): the CPU and device RNG states and the CPU and device autocast settings."""
+
+    device: torch.device
+    cpu_rng: Tensor
+    device_rng: Tensor | None
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+
+    @classmethod
+    def capture(cls, device: torch.device) -> ForwardState:
+        device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        types = dict.fromkeys(("cpu", device.type))
+        autocast = tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types)
+        return cls(device, torch.get_rng_state(), device_rng, autocast)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run with the captured RNG and autocast state; the RNG continues afterwards as it was."""
+        devices = [self.device] if self.device_rng is not None else []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=self.device.type))
+            torch.set_rng_state(self.cpu_rng)
+            if self.device_rng is not None:
+                torch.cuda.set_rng_state(self.device_rng, self.device)
+            for device_type, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            yield
+
+
+def _no_saved_tensor(saved: Any) -> Tensor:
+    raise RuntimeError("megatrain: a checkpointed block's first run saves nothing for backward")
+
+
+def discarding_saved_tensors() -> contextlib.AbstractContextManager:
+    """Autograd on, but nothing kept for backward: the first run of a checkpointed block records its
+    graph in the plain model's grad mode (some forwards differ by grad mode) and frees it at once."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: None, _no_saved_tensor)

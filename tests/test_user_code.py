@@ -1,0 +1,201 @@
+"""User code touching the model the ways users' code does: exact, or a clear megatrain error."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import UserLM, assert_same_training, tiny_model, token_batches, user_fit
+from lightning.pytorch.utilities import grad_norm
+from torch import nn
+
+from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.engine.placeholders import ParamPlaceholder
+
+
+class GradModeLayer(nn.Module):
+    """A layer whose forward depends on the grad mode (as Doge's does, by a few ulps)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x))
+        return x + (y if torch.is_grad_enabled() else y * 1.001)
+
+
+class ToyLM(nn.Module):
+    """A plain-PyTorch causal LM that reads a parameter's device outside its module, as Llama-4 does."""
+
+    def __init__(self, vocab: int = 256, width: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(GradModeLayer(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        h = self.embed(input_ids.to(self.embed.weight.device))
+        assert self.head.weight.dtype == torch.float32
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def _toy() -> ToyLM:
+    torch.manual_seed(0)
+    return ToyLM()
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_grad_mode_dependent_forward_and_device_reads_are_exact(checkpointing):
+    plain = user_fit(_toy(), "auto")
+    strategy = MegaTrainStrategy(block_classes=[GradModeLayer], activation_checkpointing=checkpointing)
+    assert_same_training(plain, user_fit(_toy(), strategy))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_dropout_is_replayed_exactly_in_the_recompute(arch):
+    dropout = (
+        {"attention_dropout": 0.1}
+        if arch == "llama"
+        else {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    )
+    model = tiny_model(arch, **dropout)
+    plain = user_fit(model, "auto")
+    assert_same_training(plain, user_fit(model, MegaTrainStrategy(activation_checkpointing=True)))
+
+
+def test_placeholders_report_the_compute_device_and_the_dtype_plain_lightning_shows():
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
+    params = list(run.module.parameters())
+    assert all(isinstance(p, ParamPlaceholder) for p in params)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+    assert all(isinstance(p, nn.Parameter) for p in params)
+
+
+class WeightNormLogger(L.Callback):
+    """Reads every parameter's values, as weight-statistics callbacks do."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        total = sum(float(p.detach().float().pow(2).sum()) for p in pl_module.parameters())
+        self.norms.append(total)
+
+
+def test_a_callback_reading_weights_sees_the_store():
+    model = tiny_model("llama")
+    plain_logger, paged_logger = WeightNormLogger(), WeightNormLogger()
+    plain = user_fit(model, "auto", callbacks=[plain_logger])
+    paged = user_fit(model, MegaTrainStrategy(), callbacks=[paged_logger])
+    assert_same_training(plain, paged)
+    assert plain_logger.norms == paged_logger.norms
+
+
+class L2PenaltyLM(UserLM):
+    def training_step(self, batch, batch_idx):
+        penalty = sum(p.pow(2).sum() for p in self.parameters())
+        return super().training_step(batch, batch_idx) + 1e-4 * penalty
+
+
+def test_reading_weights_in_training_step_raises_instead_of_losing_their_gradient():
+    with pytest.raises(RuntimeError, match="megatrain: .* read outside the block that owns it"):
+        user_fit(tiny_model("llama"), MegaTrainStrategy(), module_cls=L2PenaltyLM)
+
+
+def test_in_place_changes_outside_the_store_raise():
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
+    weight = run.module.model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad(), pytest.raises(RuntimeError, match="megatrain: .*cannot be changed in place"):
+        weight.zero_()
+    with pytest.raises(RuntimeError, match="megatrain: .*cannot be assigned"):
+        weight.grad = torch.zeros_like(weight)
+
+
+def test_deepcopy_gives_a_plain_model_with_the_trained_weights():
+    model = tiny_model("llama")
+    plain = user_fit(model, "auto")
+    paged = user_fit(model, MegaTrainStrategy())
+    clone = copy.deepcopy(paged.module.model)
+    assert not any(isinstance(p, ParamPlaceholder) for p in clone.parameters())
+    assert clone.lm_head.weight is not clone.model.embed_tokens.weight  # untied stays untied
+    ids = token_batches(1)[0]
+    with torch.no_grad():
+        expected = plain.module.model(input_ids=ids).logits
+        assert torch.equal(clone(input_ids=ids).logits, expected)
+    # The clone is independent: training it leaves megatrain's weights alone.
+    before = paged.module.state_dict()["model.lm_head.weight"].clone()
+    with torch.no_grad():
+        clone.lm_head.weight.zero_()
+    assert torch.equal(paged.module.state_dict()["model.lm_head.weight"], before)
+
+
+def test_deepcopy_keeps_tied_weights_tied():
+    paged = user_fit(tiny_model("gpt2"), MegaTrainStrategy(), steps=1)
+    clone = copy.deepcopy(paged.module.model)
+    assert clone.lm_head.weight is clone.transformer.wte.weight
+
+
+class GradNormLM(UserLM):
+    """Logs gradient norms where Lightning's docs say to: ``on_before_optimizer_step``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.grad_norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.grad_norms.append({k: float(v) for k, v in grad_norm(self, norm_type=2).items()})
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_grad_norms_in_on_before_optimizer_step_equal_plain(accumulate):
+    model = tiny_model("llama")
+    plain = user_fit(model, "auto", module_cls=GradNormLM, accumulate_grad_batches=accumulate)
+    with pytest.warns(UserWarning, match="p.grad. is a copy"):
+        paged = user_fit(
+            model, MegaTrainStrategy(), module_cls=GradNormLM, accumulate_grad_batches=accumulate
+        )
+    assert_same_training(plain, paged)
+    assert len(plain.module.grad_norms) == len(paged.module.grad_norms) > 0
+    for expected, got in zip(plain.module.grad_norms, paged.module.grad_norms, strict=True):
+        assert expected.keys() == got.keys()
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-6), key
+
+
+class FreezeFirstLayer(L.Callback):
+    """Freezes one decoder layer from the third micro-batch on, and unfreezes another, after setup."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 2:
+            pl_module.model.model.layers[0].requires_grad_(False)
+            pl_module.model.model.layers[1].requires_grad_(True)
+
+
+def test_requires_grad_changed_during_training_is_followed():
+    model = tiny_model("llama")
+    model.model.layers[1].requires_grad_(False)  # frozen at setup, unfrozen later
+    plain = user_fit(model, "auto", steps=5, callbacks=[FreezeFirstLayer()])
+    paged = user_fit(model, MegaTrainStrategy(), steps=5, callbacks=[FreezeFirstLayer()])
+    assert_same_training(plain, paged)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generate_with_its_cache_works_after_training(arch):
+    model = tiny_model(arch)
+    plain = user_fit(model, "auto")
+    paged = user_fit(model, MegaTrainStrategy())
+    prompt = token_batches(1, batch_size=1, seq_len=5)[0]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    expected = plain.module.model.generate(prompt, **kwargs)
+    assert torch.equal(paged.module.model.generate(prompt, **kwargs), expected)

@@ -1,0 +1,55 @@
+"""The architecture zoo: every decoder-only causal LM that transformers builds offline trains under
+megatrain exactly like under plain Lightning, called the way users call it (the model's default
+call, so ``use_cache`` stays at the config's default), with and without activation checkpointing.
+
+Architectures left out are listed with their reason in ``zoo.EXCLUDED``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Run, assert_same_training, user_fit
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from zoo import EXCLUDED, tiny_zoo_model
+
+from megatrain_lightning import MegaTrainStrategy
+
+ARCHS = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(EXCLUDED))
+# Padded dict batches (attention_mask, -100 labels) for families whose masks are built differently:
+# SDPA causal, sliding windows, ALiBi, chunked attention, state-space and recurrent layers.
+PADDED = ("llama", "gpt2", "mistral", "gemma3_text", "bloom", "falcon", "llama4_text", "jamba", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def plain_runs() -> dict[tuple[str, bool], tuple[torch.nn.Module, Run]]:
+    """Each architecture's tiny model and its run under the default strategy, built once per module."""
+    return {}
+
+
+def _plain(cache: dict[tuple[str, bool], tuple[torch.nn.Module, Run]], arch: str, dicts: bool):
+    if (arch, dicts) not in cache:
+        model = tiny_zoo_model(arch)
+        cache[arch, dicts] = model, user_fit(model, "auto", dicts=dicts)
+    return cache[arch, dicts]
+
+
+def test_the_zoo_covers_the_decoder_only_architectures():
+    assert len(ARCHS) >= 60
+    assert set(EXCLUDED) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), "stale entries in zoo.EXCLUDED"
+    assert set(PADDED) <= set(ARCHS)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zoo_trains_like_plain_lightning(arch, checkpointing, plain_runs):
+    model, plain = _plain(plain_runs, arch, dicts=False)
+    paged = user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing))
+    assert_same_training(plain, paged)
+
+
+@pytest.mark.parametrize("arch", PADDED)
+def test_zoo_padded_dict_batches(arch, plain_runs):
+    model, plain = _plain(plain_runs, arch, dicts=True)
+    paged = user_fit(model, MegaTrainStrategy(), dicts=True)
+    assert_same_training(plain, paged)
