@@ -34,7 +34,7 @@ from megatrain_lightning.planner.plan import (
     plan_for,
 )
 from megatrain_lightning.serialization.checkpoint import CheckpointError, convert_checkpoint
-from megatrain_lightning.serialization.hf import export_hf
+from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.telemetry.monitor import with_progress_bar
 
 # The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.

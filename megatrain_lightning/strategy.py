@@ -21,32 +21,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from megatrain_lightning import budgets
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
-from megatrain_lightning.optim import CPUAdamW
-from megatrain_lightning.optim.adamw import rebind_scheduler
+from megatrain_lightning.optim import state_dict as adam_state
+from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
 from megatrain_lightning.planner.plan import (
     MASTER_BYTES,
     STATE_BYTES,
-    Machine,
-    ModelShape,
-    Settings,
-    Workload,
-    plan_for,
 )
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
-from megatrain_lightning.serialization.checkpoint import hf_model
 from megatrain_lightning.serialization.meta import init_on_meta
-from megatrain_lightning.store.disk import DiskStore, region_bytes
+from megatrain_lightning.store import sizing
+from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.preflight import (
     available_ram_bytes,
-    check_disk_space,
     check_host_ram,
     check_offload_dir,
-    missing_dirs,
-    prepare_offload_dir,
     remove_empty_dirs,
 )
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -232,7 +225,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 raise MisconfigurationException(
                     f"megatrain does not support `{type(callback).__name__}` yet: it keeps an averaged "
                     "copy of the model's parameters, while megatrain keeps the weights in its store and "
-                    "leaves the module's parameters on the meta device. Remove the callback, or train with "
+                    "holds placeholders in the module. Remove the callback, or train with "
                     "the default strategy."
                 )
         assert self.accelerator is not None
@@ -255,79 +248,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.setup_precision_plugin()
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
-        """Size the slots (for the disk tier: check the folder, the disk and the cache) from the blocks.
-        Options left to ``None``/``"auto"`` take the planner's settings for this machine."""
-        dtype = self.precision_plugin.compute_dtype
-        auto = self._plan(blocks, dtype)
-        slot_bytes = max(b.numel for b in blocks) * dtype.itemsize
-        if self.max_vram_gb is not None:
-            num_slots = int(self.max_vram_gb * _GB // slot_bytes)
-            if num_slots < 1:
-                raise MisconfigurationException(
-                    f"`max_vram_gb={self.max_vram_gb}` is smaller than the largest block "
-                    f"({slot_bytes / _GB:.3g} GB in the compute dtype); raise it to at least that."
-                )
-        else:
-            num_slots = auto.num_slots if auto is not None else len(blocks)
-        num_slots = max(1, min(num_slots, len(blocks)))
-        offload_dir, cache_bytes = self._disk_tier(blocks, num_slots, auto)
-        return EngineConfig(
-            device=self.root_device,
-            compute_dtype=dtype,
-            num_slots=num_slots,
-            prefetch_depth=max(num_slots - 1, 1) if self.prefetch_depth == "auto" else self.prefetch_depth,
-            activation_checkpointing=self.activation_checkpointing,
-            pin_memory=self.root_device.type == "cuda",
-            offload_dir=offload_dir,
-            cache_bytes=cache_bytes,
-            keep_offload_dir=self.keep_offload_dir,
-            io=self.io,
-        )
-
-    def _plan(self, blocks: list[Block], dtype: torch.dtype) -> Settings | None:
-        """The planner's settings for this model on this machine (``megatrain plan`` prints the same)."""
-        found = hf_model(self.lightning_module)
-        if found is None:
-            return None
-        shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config)
-        workload = Workload(
-            compute_dtype="fp32" if dtype == torch.float32 else "bf16",
-            activation_checkpointing=self.activation_checkpointing,
-        )
-        offload_dir = None if self.offload_dir in (None, "auto") else self.offload_dir
-        machine = Machine.detect(self.root_device, offload_dir)
-        return plan_for(shape, machine, self.optimizer_compression, workload).settings
-
-    def _disk_tier(
-        self, blocks: list[Block], num_slots: int, auto: Settings | None
-    ) -> tuple[str | None, int]:
-        if self.offload_dir is None:
-            return None, 0
-        path = self.offload_dir
-        if path == "auto":
-            path = os.path.join(self.lightning_module.trainer.default_root_dir, "megatrain_offload")
-        self._created_dirs = missing_dirs(path)
-        path = prepare_offload_dir(path)
-        one_kind = region_bytes(blocks)
-        # Files: master weights, Adam m and v, the gradient accumulator, per-pass sums of tied blocks.
-        tied = region_bytes([b for b in blocks if len(b.sites) > 1])
-        check_disk_space(path, 4 * one_kind + tied)
-        largest = 4 * max(b.numel for b in blocks)
-        # In use at once: fetches into every slot, each optimizer thread's param/grad/m/v, offloads.
-        working_set = (num_slots + 4 * self.optimizer_threads + 3) * largest
-        if self.max_cpu_gb is not None:
-            cache = int(self.max_cpu_gb * _GB)
-        elif auto is not None:
-            cache = max(working_set, int(auto.cache_gb * _GB))
-        else:
-            cache = max(working_set, min(4 * one_kind, available_ram_bytes() // 2))
-        if cache < working_set:
-            raise MisconfigurationException(
-                f"`max_cpu_gb={self.max_cpu_gb}` cannot hold the blocks in use at once ({num_slots} slots, "
-                f"{self.optimizer_threads} optimizer threads: {working_set / _GB:.3g} GB). Raise it to at "
-                "least that, or lower `max_vram_gb`/`optimizer_threads`."
-            )
-        return path, cache
+        config, self._created_dirs = budgets.engine_config(self, blocks)
+        return config
 
     def _remove_created_dirs_with_store(self) -> None:
         """The folders ``offload_dir`` needed go when the store's files do (at once if there is no store)."""
@@ -361,7 +283,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         locate = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             locate[id(param)] = engine.locations[name]
-        optimizer = CPUAdamW.from_optimizer(
+        optimizer = cpu_adamw_from(
             self.optimizers[0],
             store=engine.store,
             grads=engine.grads,
@@ -433,7 +355,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             return super().lightning_module_state_dict()
         if _called_by_checkpoint_connector():
             return {}
-        need = region_bytes(self.engine.blocks)
+        need = sizing.region_bytes(self.engine.blocks)
         available = available_ram_bytes()
         if need > available:
             raise MisconfigurationException(
@@ -448,7 +370,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Only the param groups: ``save_checkpoint`` streams the per-block state itself."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return {"state": {}, "param_groups": optimizer.param_groups_state()}
+        return {"state": {}, "param_groups": adam_state.param_groups_state(optimizer)}
 
     @override
     def save_checkpoint(
@@ -510,7 +432,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                     "`MegaTrainStrategy(optimizer_compression='none')` (and save again to compress)."
                 )
             return super().load_optimizer_state_dict(checkpoint)
-        optimizer.load_param_groups(checkpoint["optimizer_states"][0]["param_groups"])
+        adam_state.load_param_groups(optimizer, checkpoint["optimizer_states"][0]["param_groups"])
         checkpointing.load_optimizer(ckpt, self.engine, optimizer)
 
     # -- the end --

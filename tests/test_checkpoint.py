@@ -22,7 +22,8 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.models import CausalLMModule, tiny_config
 from megatrain_lightning.serialization.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
-from megatrain_lightning.serialization.hf import export_hf, from_pretrained
+from megatrain_lightning.serialization.export import export_hf
+from megatrain_lightning.serialization.hf import from_pretrained
 from megatrain_lightning.serialization.safetensors_io import SafetensorsError, sha256_file
 
 
@@ -246,7 +247,8 @@ SAVE_SCRIPT = textwrap.dedent(
     import lightning as L
     sys.path.insert(0, sys.argv[2])
     from conftest import tiny_model
-    from megatrain_lightning import MegaTrainStrategy, safetensors_io
+    from megatrain_lightning import MegaTrainStrategy
+    from megatrain_lightning.serialization import safetensors_io
     from megatrain_lightning.data import TextDataModule
     from megatrain_lightning.models import CausalLMModule
 

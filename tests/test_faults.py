@@ -22,6 +22,7 @@ from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.runtime import Engine
+from megatrain_lightning.optim.rebuild import cpu_adamw_from
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.io import BlockFile
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -71,7 +72,7 @@ def _assert_clean(engine: Engine) -> None:
     assert not any(slot.loading for slot in engine.pager._slots), "a block load never finished"
     assert not engine.grads._pending, "a failed run left a gradient offload pending"
     if engine.optimizer is not None:
-        assert all(future.done() for future in engine.optimizer._pending.values())
+        assert all(future.done() for future in engine.optimizer.updates.futures())
 
 
 def _fails(
@@ -250,7 +251,7 @@ def test_a_failing_before_update_resolves_the_block_future(model):
         raise RuntimeError("injected invalidate failure")
 
     locate = {id(p): engine.locations[n] for n, p in module.named_parameters(remove_duplicate=False)}
-    optimizer = CPUAdamW.from_optimizer(
+    optimizer = cpu_adamw_from(
         torch.optim.AdamW(module.parameters()),
         store=engine.store,
         grads=engine.grads,

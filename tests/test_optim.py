@@ -12,6 +12,7 @@ from torch import nn
 from megatrain_lightning import CPUAdamW, MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.optim.rebuild import cpu_adamw_from
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
 
@@ -47,9 +48,7 @@ def _setup(params_of, **options):
     groups = params_of(net)
     torch_cls = options.pop("cls", torch.optim.AdamW)
     reference = torch_cls(groups, **options)
-    ours = CPUAdamW.from_optimizer(
-        torch_cls(params_of(net), **options), store=store, grads=grads, locate=locate
-    )
+    ours = cpu_adamw_from(torch_cls(params_of(net), **options), store=store, grads=grads, locate=locate)
     return net, reference, ours, grads, locate
 
 

@@ -213,7 +213,7 @@ def test_tiny_configs_cover_the_block_classes():
 
 def test_auto_budgets_come_from_the_planner():
     from megatrain_lightning.planner.plan import Machine, ModelShape, Workload, plan_for
-    from megatrain_lightning.serialization.checkpoint import hf_model
+    from megatrain_lightning.serialization.hf import hf_model
 
     run = fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
     engine = run.trainer.strategy.engine

@@ -2,7 +2,7 @@
 
 Every call site's ``forward`` is replaced by a paged one. Without autograd (evaluation) it
 binds the block's slot views into the module, runs, and unbinds. With autograd it goes
-through :class:`_PagedCall`, an autograd function whose backward fetches the block again,
+through :class:`.paged_call.PagedCall`, an autograd function whose backward fetches the block again,
 recomputes the block (activation checkpointing) or replays its saved graph with the weights
 rebound to the new slot, computes the block's parameter gradients and offloads them at once.
 Between calls the module holds placeholders (:mod:`megatrain_lightning.engine.placeholders`) in place of
@@ -13,7 +13,6 @@ block's recompute may see is :mod:`megatrain_lightning.engine.recompute`'s rule.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -23,15 +22,17 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
+from megatrain_lightning.engine import hooks
 from megatrain_lightning.engine.blocks import CallSite, discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.paged_call import Call, PagedCall
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
-from megatrain_lightning.engine.recompute import ForwardState, discarding_saved_tensors, training_arguments
+from megatrain_lightning.engine.recompute import training_arguments
 from megatrain_lightning.engine.trace import UpdateCadence
-from megatrain_lightning.serialization.hf import find_entry, weight_sources
+from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
 from megatrain_lightning.serialization.safetensors_io import read_into
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
@@ -84,13 +85,12 @@ class Engine:
         self._placeholders: list[list[nn.Parameter]] = []
         self._anchor = torch.zeros((), requires_grad=True)
         self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see _load_hook)
-        self._uninstall: list[Callable[[], None]] = []
         # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
         self.guard_training_reads = False
         self.config = config
         self.pager = self._make_pager(config)
         self._adopt(model)
-        self._install()
+        self._uninstall = hooks.install(self)
         self.update_host_bytes()
 
     @classmethod
@@ -153,7 +153,8 @@ class Engine:
         aliases: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(param), []).append(name)
-        init_hf = _hf_initializer(model)
+        found = hf_model(model)
+        init_hf = found[1]._init_weights if found is not None else None
         sources = weight_sources(model)
         missing = []
         for block in self.blocks:
@@ -223,26 +224,6 @@ class Engine:
             for binding in site.bindings:
                 binding.owner._parameters[binding.attr] = tensors[binding.index]
 
-    def _install(self) -> None:
-        """Page each call site's forward; its ``state_dict``/``load_state_dict`` read and write the store.
-        Each change is recorded with its undo (``uninstall``)."""
-        for block in self.blocks:
-            for site in block.sites:
-                module = site.module
-                own_forward = module.__dict__.get("forward")
-                module.forward = _PagedForward(self, site, module.forward)
-                self._uninstall.append(functools.partial(_restore_forward, module, own_forward))
-                handles = [
-                    module.register_state_dict_post_hook(
-                        _EngineHook(functools.partial(self._state_dict_hook, site))
-                    ),
-                    module.register_load_state_dict_pre_hook(
-                        _EngineHook(functools.partial(self._load_hook, site))
-                    ),
-                    module.register_load_state_dict_post_hook(_EngineHook(self._forget_loaded_keys)),
-                ]
-                self._uninstall.extend(handle.remove for handle in handles)
-
     def uninstall(self) -> None:
         """Give the call sites back their own forwards and state-dict behaviour (parameters stay
         placeholders: the store keeps the weights)."""
@@ -265,9 +246,7 @@ class Engine:
         with self.store.pinned(block, "grad") as flat:
             return self.blocks[block].views(flat)[index].clone()
 
-    def _state_dict_hook(
-        self, site: CallSite, module: nn.Module, state: dict, prefix: str, meta: Any
-    ) -> None:
+    def state_dict_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, meta: Any) -> None:
         self.wait_all()
         views = site.block.views(self.store.read(site.block.index, "param"))
         for binding in site.bindings:
@@ -275,7 +254,7 @@ class Engine:
             if key in state:
                 state[key] = views[binding.index]
 
-    def _load_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+    def load_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
         """Copy incoming weights into the store and take their keys out of the module's hands (its
         parameters are meta); a wrong shape is left for the module to report as usual."""
         self.wait_all()
@@ -292,7 +271,7 @@ class Engine:
         self.store.written(block, ["param"])
         self.invalidate(block)
 
-    def _forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
+    def forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded_keys]
         self._loaded_keys.clear()
 
@@ -344,17 +323,17 @@ class Engine:
             t.requires_grad for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)
         )
         if not (torch.is_grad_enabled() and trains):
-            with self._resident(site, backward=False, grad=False), TIMELINE.span("compute"):
+            with self.resident(site, backward=False, grad=False), TIMELINE.span("compute"):
                 return forward(*args, **kwargs)
         args, kwargs = training_arguments(site.module, forward, args, kwargs)
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]
-        call = _Call(forward, flat, spec, positions)
-        outputs = _PagedCall.apply(self, site, call, self._anchor, *[flat[i] for i in positions])
+        call = Call(forward, flat, spec, positions)
+        outputs = PagedCall.apply(self, site, call, self._anchor, *[flat[i] for i in positions])
         return call.rebuild_outputs(outputs)
 
     @contextlib.contextmanager
-    def _resident(
+    def resident(
         self, site: CallSite, backward: bool, grad: bool
     ) -> Iterator[tuple[Tensor, dict[int, Tensor]]]:
         """Bind ``site``'s parameters to slot views for the duration of the context."""
@@ -377,7 +356,7 @@ class Engine:
                 binding.owner._parameters[binding.attr] = self._placeholders[block.index][binding.index]
             self.pager.release(block.index)
 
-    def _offload(
+    def offload(
         self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool
     ) -> None:
         """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer."""
@@ -399,183 +378,4 @@ class Engine:
 
 
 def _nothing() -> None:
-    return None
-
-
-class _PagedForward:
-    """A call site's ``forward`` while the engine holds its weights. A deep copy of the module (whose
-    parameters the copy materializes) gets the module's own forward back."""
-
-    def __init__(self, engine: Engine, site: CallSite, forward: Callable) -> None:
-        self.engine, self.site, self.forward = engine, site, forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine._paged_forward(self.site, self.forward, *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
-        return copy.deepcopy(self.forward, memo)
-
-
-class _EngineHook:
-    """A state-dict hook that reads or writes the store; inert in a deep copy of the module."""
-
-    def __init__(self, function: Callable) -> None:
-        # Not named `hook`: torch's `_WrappedHook` copies this object's attributes onto itself.
-        self.function = function
-
-    def __call__(self, *args: Any) -> None:
-        self.function(*args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
-        return _nothing_with
-
-
-def _nothing_with(*args: Any) -> None:
-    return None
-
-
-def _restore_forward(module: nn.Module, own_forward: Callable | None) -> None:
-    if own_forward is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = own_forward
-
-
-@dataclass(eq=False)
-class _Call:
-    """One call of a call site: the non-tensor arguments, and afterwards the non-tensor outputs."""
-
-    forward: Callable
-    flat: list[Any]
-    spec: Any
-    positions: list[int]
-    out_flat: list[Any] = field(default_factory=list)
-    out_spec: Any = None
-    out_positions: list[int] = field(default_factory=list)
-
-    def run(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
-        flat = list(self.flat)
-        for i, t in zip(self.positions, tensors, strict=True):
-            flat[i] = t
-        args, kwargs = tree_unflatten(flat, self.spec)
-        out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
-        self.out_positions = [i for i, leaf in enumerate(out_flat) if isinstance(leaf, Tensor)]
-        self.out_flat = [None if i in self.out_positions else leaf for i, leaf in enumerate(out_flat)]
-        return [out_flat[i] for i in self.out_positions]
-
-    def rebuild_outputs(self, tensors: tuple[Tensor, ...]) -> Any:
-        flat = list(self.out_flat)
-        for i, t in zip(self.out_positions, tensors, strict=True):
-            flat[i] = t
-        return tree_unflatten(flat, self.out_spec)
-
-
-def _detached(tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
-    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-
-
-@dataclass(frozen=True)
-class _SlotRef:
-    """A saved tensor that was a view of the block's slot: rebuilt from whichever slot holds it later."""
-
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
-class _PagedCall(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, engine: Engine, site: CallSite, call: _Call, anchor: Tensor, *tensors: Tensor
-    ) -> Any:
-        ctx.engine, ctx.site, ctx.call = engine, site, call
-        if engine.config.activation_checkpointing:
-            ctx.forward_state = ForwardState.capture(engine.config.device)
-            with (
-                engine._resident(site, backward=False, grad=True),
-                torch.enable_grad(),
-                discarding_saved_tensors(),
-                TIMELINE.span("compute"),
-            ):
-                outputs = call.run(_detached(tensors))
-            ctx.save_for_backward(*tensors)
-        else:
-            with engine._resident(site, backward=False, grad=True) as (slot, leaves):
-                inputs = _detached(tensors)
-                slot_storage = slot.untyped_storage().data_ptr()
-                # unpack reads the slot through a holder, not ctx: ctx -> graph -> hook -> ctx would be a
-                # cycle through C++ that the garbage collector cannot see (a forward without backward leaked).
-                holder: list[Tensor] = []
-                ctx.slot_holder = holder
-
-                def pack(t: Tensor) -> Any:
-                    if t.device == slot.device and t.untyped_storage().data_ptr() == slot_storage:
-                        return _SlotRef(t.size(), t.stride(), t.storage_offset())
-                    return t
-
-                def unpack(saved: Any) -> Tensor:
-                    if isinstance(saved, _SlotRef):
-                        return holder[0].as_strided(saved.size, saved.stride, saved.offset)
-                    return saved
-
-                with (
-                    torch.enable_grad(),
-                    torch.autograd.graph.saved_tensors_hooks(pack, unpack),
-                    TIMELINE.span("compute"),
-                ):
-                    outputs = call.run(inputs)
-            ctx.graph = (outputs, inputs, leaves)
-        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
-        ctx.set_materialize_grads(False)
-        return tuple(o.detach() for o in outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
-        engine: Engine = ctx.engine
-        site, call = ctx.site, ctx.call
-        block = site.block.index
-        checkpointed = engine.config.activation_checkpointing
-        with (
-            engine._resident(site, backward=True, grad=checkpointed) as (slot, bound),
-            TIMELINE.span("compute"),
-        ):
-            last_use = engine.pager.is_last_use(block)
-            if checkpointed:
-                inputs = _detached(ctx.saved_tensors)
-                leaves = bound
-                with torch.enable_grad(), ctx.forward_state.restored():
-                    outputs = call.run(inputs)
-            else:
-                ctx.slot_holder[:] = [slot]
-                outputs, inputs, leaves = ctx.graph
-            pairs = [
-                (o, g)
-                for o, g in zip(outputs, grad_outputs, strict=True)
-                if g is not None and o.requires_grad
-            ]
-            wrt_inputs = [t for t in inputs if t.requires_grad]
-            wrt_leaves = {i: t for i, t in leaves.items() if t.requires_grad}
-            wrt = wrt_inputs + list(wrt_leaves.values())
-            if pairs and wrt:
-                grads = torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
-                )
-            else:
-                grads = (None,) * len(wrt)
-        if not checkpointed:
-            del ctx.graph
-        engine._offload(site, wrt_leaves, list(grads[len(wrt_inputs) :]), last_use)
-        input_grads = iter(grads[: len(wrt_inputs)])
-        return (None, None, None, None, *[next(input_grads) if t.requires_grad else None for t in inputs])
-
-
-def _hf_initializer(model: nn.Module) -> Callable[[nn.Module], None] | None:
-    """The ``_init_weights`` of the outermost Hugging Face model inside ``model``, if any."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module._init_weights
     return None

@@ -15,24 +15,16 @@ The update is torch's own functional Adam/AdamW, with the implementation the use
 parameters of the flat buffers: the arithmetic, and so the result, is bitwise the reference's.
 ``fused=True`` is the fast choice.
 
-Threads: the compute thread (the training loop's, and autograd's in backward) runs forward and
-backward, submits updates (``block_ready``, ``step``) and waits; on CUDA the gradient-offload worker
-submits too (``block_ready`` once a block's gradients reached the host); the pager's prefetch worker
-waits (``wait``) before it loads a block; the pool's workers run the updates. ``_pending`` and
-``_submitted`` are shared between them under ``_lock``, the first failure in a :class:`_FirstFailure`;
-a block's step counters and store buffers are touched only by that block's update (or, by the compute
-thread, once it has waited for it).
+Threads: the updates run in an :class:`~megatrain_lightning.optim.updates.UpdateQueue` (whose docstring
+is the thread contract); a block's step counters and buffers are touched only by its update.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for_any
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +34,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
-from megatrain_lightning.engine.futures import fresh_copy
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim import codecs, state_dict
 from megatrain_lightning.optim.quantized import quantized_adamw_
+from megatrain_lightning.optim.state_dict import FP32_MOMENTS
+from megatrain_lightning.optim.updates import UpdateQueue
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.layout import align_up
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -53,8 +46,6 @@ from megatrain_lightning.telemetry.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
-_SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
-_STATE = ("exp_avg", "exp_avg_sq")  # fp32 moments (every block without compression; small params with it)
 _CODES = ("m_codes", "m_scales", "v_codes", "v_scales")  # block-quantized moments of large parameters
 COMPRESSIONS = {"none": None, "int8": 8, "int4": 4}
 
@@ -69,33 +60,6 @@ class _GroupHparams:
     maximize: bool
     foreach: bool | None  # the implementation the user chose: results match it bitwise
     fused: bool | None
-
-
-class _FirstFailure:
-    """The first failed update of an optimizer. The weights are no longer one step's, so every later wait
-    raises it, in whichever thread, until the optimizer is closed. Shared with Lightning's wrapper of the
-    optimizer (a copy of its ``__dict__``), hence an object of its own."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._reported = False
-
-    def record(self, error: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = error
-
-    def raise_if_any(self) -> None:
-        with self._lock:
-            error = self._error
-            self._reported = error is not None
-        if error is not None:
-            raise fresh_copy(error) from error
-
-    def log_unreported(self) -> None:
-        if self._error is not None and not self._reported:
-            log.error(f"megatrain: a block update failed and no one waited for it: {self._error!r}")
 
 
 @dataclass(frozen=True)
@@ -162,12 +126,8 @@ class CPUAdamW(Optimizer):
         self.defer_updates = False
         self.stats = stats or EngineStats()
         self._before_update = before_update
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="megatrain-adamw")
-        self.max_queued = 2 * threads
-        self._lock = threading.Lock()
-        self._pending: dict[int, Future] = {}  # block -> its latest update (kept once done)
-        self._submitted: set[int] = set()  # blocks submitted in the step running now
-        self._failure = _FirstFailure()
+        # One object shared with Lightning's wrapper of this optimizer (which copies ``__dict__``).
+        self.updates = UpdateQueue(threads, self.stats)
         self._in_step = False
         self._hparams: list[_GroupHparams] = []
         self._clip = _Clip()
@@ -202,35 +162,9 @@ class CPUAdamW(Optimizer):
         for block, indices in by_block.items():
             self._plan[block].append((group, indices))
 
-    @classmethod
-    def from_optimizer(cls, optimizer: Optimizer, **kwargs: Any) -> CPUAdamW:
-        """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW``.
-
-        The new optimizer shares ``optimizer``'s param-group dicts (so whatever changes their ``lr`` or
-        ``betas`` changes this one's) and its class name (``LearningRateMonitor`` logs ``lr-AdamW``);
-        its state starts empty, like a new torch optimizer's. Rebind schedulers with
-        :func:`rebind_scheduler`.
-        """
-        if type(optimizer) not in _SUPPORTED:
-            raise MisconfigurationException(
-                "megatrain runs the optimizer on the CPU and supports `torch.optim.AdamW` and "
-                f"`torch.optim.Adam`; `configure_optimizers` returned {type(optimizer).__name__}. "
-                "Return one of those instead."
-            )
-        if any(group.get("amsgrad") for group in optimizer.param_groups):
-            raise MisconfigurationException(
-                "megatrain's CPU AdamW does not support `amsgrad=True`; set it to False."
-            )
-        decoupled = type(optimizer) is torch.optim.AdamW or bool(
-            optimizer.defaults.get("decoupled_weight_decay")
-        )
-        return _named_like(cls, type(optimizer).__name__)(
-            optimizer.param_groups, decoupled_weight_decay=decoupled, **kwargs
-        )
-
     def _define_state_kinds(self) -> None:
         bits, q = self._bits, self._quantized
-        for kind in _STATE:
+        for kind in FP32_MOMENTS:
             self.store.define_kind(kind, torch.float32, lambda b: b.numel - q[b.index])
         if bits:
             code = lambda b: codecs.code_bytes(q[b.index], bits)  # noqa: E731
@@ -246,7 +180,7 @@ class CPUAdamW(Optimizer):
     @property
     def state_kinds(self) -> tuple[str, ...]:
         """The store kinds holding this optimizer's moments."""
-        return (*_STATE, *_CODES) if self._bits else _STATE
+        return (*FP32_MOMENTS, *_CODES) if self._bits else FP32_MOMENTS
 
     def state_bytes(self) -> int:
         """Bytes the store's layout gives the moments (and their scales), over all blocks."""
@@ -273,9 +207,9 @@ class CPUAdamW(Optimizer):
             self._in_step = False
         self.grads.flush()
         for block in range(len(self.store.blocks)):
-            if block not in self._submitted and self.grads.present(block):
+            if not self.updates.submitted(block) and self.grads.present(block):
                 self._submit(block)
-        self._submitted.clear()
+        self.updates.new_step()
         self._clip = _Clip()
         return loss
 
@@ -291,32 +225,13 @@ class CPUAdamW(Optimizer):
 
     def wait(self, block: int) -> None:
         """Block until ``block``'s pending update (if any) has been applied; raise if any update failed."""
-        with self._lock:
-            future = self._pending.get(block)
-        if future is not None and not future.done():
-            start = time.perf_counter()
-            future.exception()  # waits without raising
-            self.stats.optimizer_wait_s += time.perf_counter() - start
-        self._failure.raise_if_any()
+        self.updates.wait(block)
 
     def wait_all(self) -> None:
-        with self._lock:
-            futures = list(self._pending.values())
-        for future in futures:
-            future.exception()
-        self._failure.raise_if_any()
+        self.updates.wait_all()
 
     def wait_for_room(self) -> None:
-        """Back-pressure for the backward pass: return once at most ``max_queued`` updates are queued or
-        running. A backward that runs far ahead of the updates only piles up gradients (which the disk
-        tier must then spill); the updates, not the backward, decide when the next forward can start."""
-        with self._lock:
-            queued = [f for f in self._pending.values() if not f.done()]
-        if len(queued) > self.max_queued:
-            start = time.perf_counter()
-            wait_for_any(queued, return_when=FIRST_COMPLETED)
-            self.stats.optimizer_wait_s += time.perf_counter() - start
-        self._failure.raise_if_any()
+        self.updates.wait_for_room()
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -324,19 +239,12 @@ class CPUAdamW(Optimizer):
         self.grads.clear()
 
     def close(self) -> None:
-        """Wait for the updates still running and stop the workers. A failure already raised to the user is
-        not raised again (a later ``fit`` starts clean with a new optimizer); one never raised is logged."""
-        with self._lock:
-            futures = list(self._pending.values())
-        for future in futures:
-            future.exception()
-        self._pool.shutdown(wait=True)
-        self._failure.log_unreported()
+        self.updates.close()
 
     # -- clipping (called by the precision plugin after the closure) --
 
     def _check_can_clip(self) -> None:
-        if self._submitted:
+        if self.updates.any_submitted():
             raise RuntimeError(
                 "megatrain: gradients were clipped after some blocks were already updated. Set "
                 "`Trainer(gradient_clip_val=...)` (or override `configure_gradient_clipping` before fit) so "
@@ -395,34 +303,20 @@ class CPUAdamW(Optimizer):
         torch._foreach_clamp_max_(grads, value)
 
     def _submit(self, block: int) -> None:
-        """Queue ``block``'s update. Its future is registered first, so that a load of the block that
-        starts after ``before_update`` forgot the cached copy waits for it; it resolves on every path."""
-        self._failure.raise_if_any()  # after a failed update nothing more changes
-        future: Future = Future()
-        with self._lock:
-            self._submitted.add(block)
-            self._pending[block] = future
-        try:
+        hparams, clip = self._hparams, self._clip
+
+        def prepare() -> None:
             self._before_update(block)
             self.store.claim(block, self.update_kinds)
-            self._pool.submit(self._run, block, future, self._hparams, self._clip)
-        except BaseException as err:
-            # Kept as a copy: err's traceback holds this thread's frames (see ``result_of``).
-            self._failure.record(fresh_copy(err))
-            future.set_exception(fresh_copy(err))
-            raise
 
-    def _run(self, block: int, future: Future, hparams: list[_GroupHparams], clip: _Clip) -> None:
-        try:
-            start = time.perf_counter()
-            self._update(block, hparams, clip)
-            end = time.perf_counter()
-            TIMELINE.record("optimizer", start, end)
-            self.stats.optimizer_s += end - start
-            future.set_result(None)
-        except BaseException as err:  # re-raised in whoever waits next
-            self._failure.record(err)
-            future.set_exception(err)
+        self.updates.submit(block, prepare, functools.partial(self._run, block, hparams, clip))
+
+    def _run(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
+        start = time.perf_counter()
+        self._update(block, hparams, clip)
+        end = time.perf_counter()
+        TIMELINE.record("optimizer", start, end)
+        self.stats.optimizer_s += end - start
 
     @property
     def update_kinds(self) -> tuple[str, ...]:
@@ -504,7 +398,7 @@ class CPUAdamW(Optimizer):
         q = self._quantized[block]
         for a, b, _ in runs:
             if a >= q:
-                for kind in _STATE:
+                for kind in FP32_MOMENTS:
                     flats[kind][a - q : b - q].zero_()
             else:  # zero codes and scales decode to zero moments; a run's codes and scales are its own
                 codes, m_scales, v_scales = codecs.state_slices(a, b, self._bits)
@@ -535,98 +429,28 @@ class CPUAdamW(Optimizer):
                 runs.append((p.offset, p.offset + p.numel, [i]))
         return runs
 
-    # -- checkpoints: one block's state at a time --
+    # -- state: torch.optim.AdamW's format (see :mod:`.state_dict`) --
 
-    def block_state(self, block: int) -> dict[str, Tensor]:
-        """``block``'s optimizer state as flat tensors: each state buffer and per-parameter step counts."""
-        self.wait(block)
-        state = {kind: self.store.read(block, kind) for kind in self.state_kinds}
-        state["step"] = torch.tensor(self._steps[block], dtype=torch.int64)
-        return state
+    @property
+    def order(self) -> list[tuple[int, int]]:
+        """``(block, index)`` of every parameter, in param-group order (torch's ``state_dict`` numbering)."""
+        return self._order
 
-    def load_block_state(self, block: int, tensors: dict[str, Tensor]) -> None:
-        self.wait(block)
-        for kind in self.state_kinds:
-            with self.store.pinned(block, kind, write=True) as flat:
-                if tensors[kind].shape != flat.shape or tensors[kind].dtype != flat.dtype:
-                    raise ValueError(
-                        f"megatrain: saved optimizer state {kind!r} of block {block} has another layout"
-                    )
-                flat.copy_(tensors[kind])
-        self._steps[block] = tensors["step"].tolist()
-        self.store.written(block, self.state_kinds)
+    @property
+    def steps(self) -> list[list[int]]:
+        """Per block, each parameter's step count."""
+        return self._steps
 
-    def load_param_groups(self, groups: list[dict[str, Any]]) -> None:
-        """Hyperparameters (lr, betas, ...) of saved param groups; the parameters stay this optimizer's."""
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("megatrain: the optimizer state does not match this model's param groups")
-        for group, saved in zip(self.param_groups, groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-
-    # -- state dict: torch.optim.AdamW's format; with compression, the compressed blocks as stored --
+    @property
+    def bits(self) -> int | None:
+        """8 or 4 for compressed moments, ``None`` for fp32."""
+        return self._bits
 
     def state_dict(self) -> dict[str, Any]:
-        self.wait_all()
-        if self._bits:
-            blocks = {b: self.block_state(b) for b in range(len(self.store.blocks))}
-            return {"state": {}, "param_groups": self.param_groups_state(), "blocks": blocks}
-        state: dict[int, dict[str, Tensor]] = {}
-        views: dict[int, list[list[Tensor]]] = {}
-        for i, (block, index) in enumerate(self._order):
-            step = self._steps[block][index]
-            if step == 0:
-                continue
-            if block not in views:
-                views[block] = [
-                    self.store.blocks[block].views(self.store.read(block, kind)) for kind in _STATE
-                ]
-            m, v = (kind_views[index] for kind_views in views[block])
-            state[i] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
-        return {"state": state, "param_groups": self.param_groups_state()}
+        return state_dict.save(self)
 
-    def param_groups_state(self) -> list[dict[str, Any]]:
-        """The param groups as ``torch.optim`` saves them: hyperparameters, parameters by number."""
-        groups, start = [], 0
-        for group in self.param_groups:
-            entry = {k: v for k, v in group.items() if k != "params"}
-            entry["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
-            groups.append(entry)
-        return groups
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.wait_all()
-        self.load_param_groups(state_dict["param_groups"])
-        if self._bits or "blocks" in state_dict:
-            if self._bits is None or "blocks" not in state_dict:
-                raise ValueError("megatrain: optimizer state saved with another `optimizer_compression`")
-            for block, tensors in state_dict["blocks"].items():
-                self.load_block_state(int(block), tensors)
-            return
-        for i, (block, index) in enumerate(self._order):
-            saved = state_dict["state"].get(i, state_dict["state"].get(str(i)))
-            if saved is None:
-                self._steps[block][index] = 0
-                continue
-            self._steps[block][index] = int(saved["step"])
-            for kind in _STATE:
-                with self.store.pinned(block, kind, write=True) as flat:
-                    self.store.blocks[block].views(flat)[index].copy_(saved[kind])
-
-
-@functools.cache
-def _named_like(cls: type[CPUAdamW], name: str) -> type[CPUAdamW]:
-    """``cls`` under the name of the user's optimizer class, which Lightning shows to users (the
-    ``LearningRateMonitor`` keys ``lr-AdamW/pg1``, the optimizer's ``repr``)."""
-    return type(name, (cls,), {"__module__": cls.__module__, "__qualname__": name})
-
-
-def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
-    """Point ``scheduler`` and the schedulers it drives (``SequentialLR``, ``ChainedScheduler``) at
-    ``optimizer``, the one Lightning steps (their step-order checks read it)."""
-    scheduler.optimizer = optimizer
-    for inner in getattr(scheduler, "_schedulers", ()):
-        rebind_scheduler(inner, optimizer)
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        state_dict.load(self, saved)
 
 
 # LR schedulers built on the user's optimizer are rebound to this one; mark ``step`` the way their

@@ -42,6 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.models import llama_config, resolve_config, tiny_config
+from megatrain_lightning.store.sizing import working_blocks
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -52,8 +53,8 @@ STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
 COMPRESSIONS = tuple(STATE_BYTES)
 MIN_SLOTS = 2  # one block computing while the next one is fetched
 # Disk tier: fp32 blocks of one kind held in RAM beyond one per slot (the strategy's working set with
-# one optimizer thread: its weights, gradient, m and v, and three more in flight).
-WORKING_BLOCKS = 7
+# one optimizer thread).
+WORKING_BLOCKS = working_blocks(num_slots=0, optimizer_threads=1)
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
 PRESETS = ("tiny", "170m", "1b", "7b", "70b")
 

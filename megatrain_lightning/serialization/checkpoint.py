@@ -32,8 +32,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
-from megatrain_lightning.serialization.hf import WeightFiles
+from megatrain_lightning.serialization.hf import WeightFiles, hf_model
 from megatrain_lightning.serialization.safetensors_io import (
     SafetensorsError,
     ShardWriter,
@@ -81,18 +82,6 @@ def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
             if buf is not None and name not in sub._non_persistent_buffers_set:
                 buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu()
     return buffers
-
-
-def hf_model(module: nn.Module) -> tuple[str, Any] | None:
-    """``(state-dict prefix, model)`` of the outermost Hugging Face model inside ``module``."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
-    for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel):
-            return (f"{name}." if name else ""), sub
-    return None
 
 
 class CheckpointWriter:
@@ -209,7 +198,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
             names = [p.name for p in block.params]
             writer.shard(_block_file("model", block.index), dict(zip(names, block.views(flat), strict=True)))
         if optimizer is not None:
-            state = optimizer.block_state(block.index)
+            state = adam_state.block_state(optimizer, block.index)
             writer.shard(
                 _block_file("optimizer", block.index), {f"{block.index}:{k}": v for k, v in state.items()}
             )
@@ -232,7 +221,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
     if optimizer is not None:
         writer.manifest["optimizer"] = {
             "compression": optimizer.compression,
-            "params": [engine.blocks[b].params[i].name for b, i in optimizer._order],
+            "params": [engine.blocks[b].params[i].name for b, i in optimizer.order],
         }
     writer.text("README.txt", README)
     writer.lightning_state(lightning_state)
@@ -264,7 +253,7 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
 def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     entries = ckpt.optimizer().entries
     for block in engine.blocks:
-        optimizer.load_block_state(block.index, _optimizer_block(entries, block.index))
+        adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
 
 
 def _optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -18,10 +19,8 @@ from torch import nn
 
 from megatrain_lightning.serialization.meta import building_on_meta, init_on_meta
 from megatrain_lightning.serialization.safetensors_io import (
-    ShardWriter,
     TensorEntry,
     read_header,
-    read_tensor,
 )
 
 WEIGHTS_ATTR = "_megatrain_weights"
@@ -87,6 +86,18 @@ def from_pretrained(directory: str, lazy: bool | None = None) -> nn.Module:
     return model
 
 
+def hf_model(module: nn.Module) -> tuple[str, Any] | None:
+    """``(state-dict prefix, model)`` of the outermost Hugging Face model inside ``module``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel):
+            return (f"{name}." if name else ""), sub
+    return None
+
+
 def weight_sources(model: nn.Module) -> list[tuple[str, WeightFiles]]:
     """``(prefix, weights)`` for every submodule built by a lazy :func:`from_pretrained`."""
     return [
@@ -103,43 +114,3 @@ def find_entry(sources: list[tuple[str, WeightFiles]], aliases: list[str]) -> Te
             if name.startswith(prefix) and name[len(prefix) :] in weights.entries:
                 return weights.entries[name[len(prefix) :]]
     return None
-
-
-def export_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
-    """Write a megatrain checkpoint as a ``save_pretrained`` directory (config.json, sharded safetensors
-    with index), one tensor in memory at a time."""
-    from megatrain_lightning.serialization.checkpoint import CheckpointDir, replace_dir
-
-    ckpt = CheckpointDir.verify(ckpt_dir)
-    config = ckpt.hf_config()
-    prefix = ckpt.manifest["hf_prefix"]
-    entries = {name[len(prefix) :]: entry for name, entry in ckpt.weights().entries.items()}
-    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=False)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, entry in entries.items():
-        if shards[-1] and size + entry.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += entry.nbytes
-    weight_map = {}
-    for i, names in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else SINGLE_NAME
-        writer = ShardWriter(
-            os.path.join(tmp, file),
-            [(n, entries[n].dtype, entries[n].shape) for n in names],
-            {"format": "pt"},
-        )
-        for name in names:
-            writer.write(name, read_tensor(entries[name]))
-            weight_map[name] = file
-        writer.close()
-    if len(shards) > 1:
-        total = sum(e.nbytes for e in entries.values())
-        with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        f.write(config)
-    replace_dir(tmp, out_dir)

@@ -456,8 +456,3 @@ def _remove(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: boo
     if not keep:
         shutil.rmtree(directory, ignore_errors=True)
     os.close(lock_fd)
-
-
-def region_bytes(blocks: list[Block]) -> int:
-    """Disk bytes of one fp32 kind (e.g. the master weights) for ``blocks``."""
-    return sum(pages(4 * b.numel) for b in blocks)

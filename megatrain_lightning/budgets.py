@@ -1,0 +1,95 @@
+"""From the strategy's options and the model's blocks to the engine's settings: slots, prefetch depth,
+the disk tier's folder and cache. Options left to ``None``/``"auto"`` take the planner's choice for
+this machine; the disk tier's folder, free space and cache are checked before anything is written."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatrain_lightning.engine.runtime import EngineConfig
+from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
+from megatrain_lightning.serialization.hf import hf_model
+from megatrain_lightning.store import sizing
+from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.preflight import (
+    available_ram_bytes,
+    check_disk_space,
+    missing_dirs,
+    prepare_offload_dir,
+    remove_empty_dirs,
+)
+
+if TYPE_CHECKING:
+    from megatrain_lightning.strategy import MegaTrainStrategy
+
+_GB = 1e9
+
+
+def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[EngineConfig, list[str]]:
+    """Size the slots (for the disk tier: check the folder, the disk and the cache) from the blocks.
+    Options left to ``None``/``"auto"`` take the planner's settings for this machine. Also returns the
+    folders created for ``offload_dir`` (removed with the store)."""
+    dtype = strategy.precision_plugin.compute_dtype
+    auto = _plan(strategy, blocks, dtype)
+    if strategy.max_vram_gb is not None:
+        num_slots = sizing.num_slots_for(strategy.max_vram_gb, blocks, dtype.itemsize)
+    else:
+        num_slots = auto.num_slots if auto is not None else len(blocks)
+    num_slots = max(1, min(num_slots, len(blocks)))
+    offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, num_slots, auto)
+    auto_prefetch = strategy.prefetch_depth == "auto"
+    config = EngineConfig(
+        device=strategy.root_device,
+        compute_dtype=dtype,
+        num_slots=num_slots,
+        prefetch_depth=max(num_slots - 1, 1) if auto_prefetch else strategy.prefetch_depth,
+        activation_checkpointing=strategy.activation_checkpointing,
+        pin_memory=strategy.root_device.type == "cuda",
+        offload_dir=offload_dir,
+        cache_bytes=cache_bytes,
+        keep_offload_dir=strategy.keep_offload_dir,
+        io=strategy.io,
+    )
+    return config, created
+
+
+def _plan(strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype) -> Settings | None:
+    """The planner's settings for this model on this machine (``megatrain plan`` prints the same)."""
+    found = hf_model(strategy.lightning_module)
+    if found is None:
+        return None
+    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config)
+    workload = Workload(
+        compute_dtype="fp32" if dtype == torch.float32 else "bf16",
+        activation_checkpointing=strategy.activation_checkpointing,
+    )
+    offload_dir = None if strategy.offload_dir in (None, "auto") else strategy.offload_dir
+    machine = Machine.detect(strategy.root_device, offload_dir)
+    return plan_for(shape, machine, strategy.optimizer_compression, workload).settings
+
+
+def _disk_tier(
+    strategy: MegaTrainStrategy, blocks: list[Block], num_slots: int, auto: Settings | None
+) -> tuple[str | None, int, list[str]]:
+    if strategy.offload_dir is None:
+        return None, 0, []
+    path = strategy.offload_dir
+    if path == "auto":
+        path = os.path.join(strategy.lightning_module.trainer.default_root_dir, "megatrain_offload")
+    created = missing_dirs(path)
+    try:
+        path = prepare_offload_dir(path)
+        check_disk_space(path, sizing.disk_files_bytes(blocks))
+        if auto is not None:
+            default = int(auto.cache_gb * _GB)
+        else:
+            default = min(sizing.disk_files_bytes(blocks), available_ram_bytes() // 2)
+        threads = strategy.optimizer_threads
+        cache = sizing.cache_bytes_for(blocks, num_slots, threads, strategy.max_cpu_gb, default)
+    except BaseException:
+        remove_empty_dirs(created)  # a refused run leaves no empty folder behind
+        raise
+    return path, cache, created

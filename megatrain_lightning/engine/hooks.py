@@ -1,0 +1,83 @@
+"""What the engine changes on a model, installed and removed as pairs.
+
+Each call site's ``forward`` becomes a :class:`PagedForward` and its ``state_dict``/``load_state_dict``
+read and write the store through :class:`EngineHook` objects registered with torch's public hook
+APIs. :func:`install` returns the undo of every change, so ``Engine.uninstall`` gives the modules back
+their own behaviour. A deep copy of a module (an EMA copy, with materialized weights) gets its own
+forward back and inert hooks: nothing in it reaches the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from megatrain_lightning.engine.blocks import CallSite
+
+if TYPE_CHECKING:
+    from megatrain_lightning.engine.runtime import Engine
+
+
+def install(engine: Engine) -> list[Callable[[], None]]:
+    """Page every call site of ``engine``'s blocks; returns the undo of each change, in order."""
+    undo: list[Callable[[], None]] = []
+    for block in engine.blocks:
+        for site in block.sites:
+            module = site.module
+            own_forward = module.__dict__.get("forward")
+            module.forward = PagedForward(engine, site, module.forward)
+            undo.append(functools.partial(_restore_forward, module, own_forward))
+            handles = [
+                module.register_state_dict_post_hook(
+                    EngineHook(functools.partial(engine.state_dict_hook, site))
+                ),
+                module.register_load_state_dict_pre_hook(
+                    EngineHook(functools.partial(engine.load_hook, site))
+                ),
+                module.register_load_state_dict_post_hook(EngineHook(engine.forget_loaded_keys)),
+            ]
+            undo.extend(handle.remove for handle in handles)
+    return undo
+
+
+class PagedForward:
+    """A call site's ``forward`` while the engine holds its weights. A deep copy of the module (whose
+    parameters the copy materializes) gets the module's own forward back."""
+
+    def __init__(self, engine: Engine, site: CallSite, forward: Callable) -> None:
+        self.engine, self.site, self.forward = engine, site, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine._paged_forward(self.site, self.forward, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
+        return copy.deepcopy(self.forward, memo)
+
+
+class EngineHook:
+    """A state-dict hook that reads or writes the store; inert in a deep copy of the module."""
+
+    def __init__(self, function: Callable) -> None:
+        # Not named `hook`: torch's `_WrappedHook` copies this object's attributes onto itself.
+        self.function = function
+
+    def __call__(self, *args: Any) -> None:
+        self.function(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
+        return _nothing_with
+
+
+def _nothing_with(*args: Any) -> None:
+    return None
+
+
+def _restore_forward(module: nn.Module, own_forward: Callable | None) -> None:
+    if own_forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = own_forward

@@ -1,0 +1,154 @@
+"""One call of a paged block as an autograd function: the block resident for its forward, fetched again
+for its backward.
+
+:class:`PagedCall`'s forward runs the block with its weights bound to a device slot and keeps only
+its inputs (activation checkpointing) or its graph with every saved slot view replaced by a
+reference (saved-graph replay). Its backward makes the block resident again, recomputes it under
+:mod:`.recompute`'s rule or replays the graph rebound to the new slot, computes the gradients of
+the block's parameters and inputs, and hands the parameter gradients to the engine's offload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from megatrain_lightning.engine.blocks import CallSite
+from megatrain_lightning.engine.recompute import ForwardState, discarding_saved_tensors
+from megatrain_lightning.telemetry.timeline import TIMELINE
+
+if TYPE_CHECKING:
+    from megatrain_lightning.engine.runtime import Engine
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of a call site: the non-tensor arguments, and afterwards the non-tensor outputs."""
+
+    forward: Callable
+    flat: list[Any]
+    spec: Any
+    positions: list[int]
+    out_flat: list[Any] = field(default_factory=list)
+    out_spec: Any = None
+    out_positions: list[int] = field(default_factory=list)
+
+    def run(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+        flat = list(self.flat)
+        for i, t in zip(self.positions, tensors, strict=True):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, self.spec)
+        out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
+        self.out_positions = [i for i, leaf in enumerate(out_flat) if isinstance(leaf, Tensor)]
+        self.out_flat = [None if i in self.out_positions else leaf for i, leaf in enumerate(out_flat)]
+        return [out_flat[i] for i in self.out_positions]
+
+    def rebuild_outputs(self, tensors: tuple[Tensor, ...]) -> Any:
+        flat = list(self.out_flat)
+        for i, t in zip(self.out_positions, tensors, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, self.out_spec)
+
+
+def _detached(tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+
+
+@dataclass(frozen=True)
+class _SlotRef:
+    """A saved tensor that was a view of the block's slot: rebuilt from whichever slot holds it later."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class PagedCall(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, engine: Engine, site: CallSite, call: Call, anchor: Tensor, *tensors: Tensor
+    ) -> Any:
+        ctx.engine, ctx.site, ctx.call = engine, site, call
+        if engine.config.activation_checkpointing:
+            ctx.forward_state = ForwardState.capture(engine.config.device)
+            with (
+                engine.resident(site, backward=False, grad=True),
+                torch.enable_grad(),
+                discarding_saved_tensors(),
+                TIMELINE.span("compute"),
+            ):
+                outputs = call.run(_detached(tensors))
+            ctx.save_for_backward(*tensors)
+        else:
+            with engine.resident(site, backward=False, grad=True) as (slot, leaves):
+                inputs = _detached(tensors)
+                slot_storage = slot.untyped_storage().data_ptr()
+                # unpack reads the slot through a holder, not ctx: ctx -> graph -> hook -> ctx would be a
+                # cycle through C++ that the garbage collector cannot see (a forward without backward leaked).
+                holder: list[Tensor] = []
+                ctx.slot_holder = holder
+
+                def pack(t: Tensor) -> Any:
+                    if t.device == slot.device and t.untyped_storage().data_ptr() == slot_storage:
+                        return _SlotRef(t.size(), t.stride(), t.storage_offset())
+                    return t
+
+                def unpack(saved: Any) -> Tensor:
+                    if isinstance(saved, _SlotRef):
+                        return holder[0].as_strided(saved.size, saved.stride, saved.offset)
+                    return saved
+
+                with (
+                    torch.enable_grad(),
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                    TIMELINE.span("compute"),
+                ):
+                    outputs = call.run(inputs)
+            ctx.graph = (outputs, inputs, leaves)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:
+        engine: Engine = ctx.engine
+        site, call = ctx.site, ctx.call
+        block = site.block.index
+        checkpointed = engine.config.activation_checkpointing
+        with (
+            engine.resident(site, backward=True, grad=checkpointed) as (slot, bound),
+            TIMELINE.span("compute"),
+        ):
+            last_use = engine.pager.is_last_use(block)
+            if checkpointed:
+                inputs = _detached(ctx.saved_tensors)
+                leaves = bound
+                with torch.enable_grad(), ctx.forward_state.restored():
+                    outputs = call.run(inputs)
+            else:
+                ctx.slot_holder[:] = [slot]
+                outputs, inputs, leaves = ctx.graph
+            pairs = [
+                (o, g)
+                for o, g in zip(outputs, grad_outputs, strict=True)
+                if g is not None and o.requires_grad
+            ]
+            wrt_inputs = [t for t in inputs if t.requires_grad]
+            wrt_leaves = {i: t for i, t in leaves.items() if t.requires_grad}
+            wrt = wrt_inputs + list(wrt_leaves.values())
+            if pairs and wrt:
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+                )
+            else:
+                grads = (None,) * len(wrt)
+        if not checkpointed:
+            del ctx.graph
+        engine.offload(site, wrt_leaves, list(grads[len(wrt_inputs) :]), last_use)
+        input_grads = iter(grads[: len(wrt_inputs)])
+        return (None, None, None, None, *[next(input_grads) if t.requires_grad else None for t in inputs])

@@ -1,0 +1,99 @@
+"""CPUAdamW's state in torch's format, and per block for checkpoints (one block in memory at a time).
+
+Uncompressed, ``save`` gives ``torch.optim.AdamW``'s ``state_dict`` (views of the store) and ``load``
+takes one; compressed, the moments are saved as stored (codes and scales per block).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from megatrain_lightning.optim.adamw import CPUAdamW
+
+FP32_MOMENTS = ("exp_avg", "exp_avg_sq")  # every block without compression; small parameters with it
+
+
+def block_state(optimizer: CPUAdamW, block: int) -> dict[str, Tensor]:
+    """``block``'s optimizer state as flat tensors: each state buffer and per-parameter step counts."""
+    optimizer.wait(block)
+    state = {kind: optimizer.store.read(block, kind) for kind in optimizer.state_kinds}
+    state["step"] = torch.tensor(optimizer.steps[block], dtype=torch.int64)
+    return state
+
+
+def load_block_state(optimizer: CPUAdamW, block: int, tensors: dict[str, Tensor]) -> None:
+    optimizer.wait(block)
+    for kind in optimizer.state_kinds:
+        with optimizer.store.pinned(block, kind, write=True) as flat:
+            if tensors[kind].shape != flat.shape or tensors[kind].dtype != flat.dtype:
+                raise ValueError(
+                    f"megatrain: saved optimizer state {kind!r} of block {block} has another layout"
+                )
+            flat.copy_(tensors[kind])
+    optimizer.steps[block] = tensors["step"].tolist()
+    optimizer.store.written(block, optimizer.state_kinds)
+
+
+def load_param_groups(optimizer: CPUAdamW, groups: list[dict[str, Any]]) -> None:
+    """Hyperparameters (lr, betas, ...) of saved param groups; the parameters stay this optimizer's."""
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError("megatrain: the optimizer state does not match this model's param groups")
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def save(optimizer: CPUAdamW) -> dict[str, Any]:
+    """torch.optim.AdamW's format; with compression, the compressed blocks as stored."""
+    optimizer.wait_all()
+    if optimizer.bits:
+        blocks = {b: block_state(optimizer, b) for b in range(len(optimizer.store.blocks))}
+        return {"state": {}, "param_groups": param_groups_state(optimizer), "blocks": blocks}
+    state: dict[int, dict[str, Tensor]] = {}
+    views: dict[int, list[list[Tensor]]] = {}
+    for i, (block, index) in enumerate(optimizer.order):
+        step = optimizer.steps[block][index]
+        if step == 0:
+            continue
+        if block not in views:
+            views[block] = [
+                optimizer.store.blocks[block].views(optimizer.store.read(block, kind))
+                for kind in FP32_MOMENTS
+            ]
+        m, v = (kind_views[index] for kind_views in views[block])
+        state[i] = {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}
+    return {"state": state, "param_groups": param_groups_state(optimizer)}
+
+
+def param_groups_state(optimizer: CPUAdamW) -> list[dict[str, Any]]:
+    """The param groups as ``torch.optim`` saves them: hyperparameters, parameters by number."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        groups.append(entry)
+    return groups
+
+
+def load(optimizer: CPUAdamW, state_dict: dict[str, Any]) -> None:
+    optimizer.wait_all()
+    load_param_groups(optimizer, state_dict["param_groups"])
+    if optimizer.bits or "blocks" in state_dict:
+        if optimizer.bits is None or "blocks" not in state_dict:
+            raise ValueError("megatrain: optimizer state saved with another `optimizer_compression`")
+        for block, tensors in state_dict["blocks"].items():
+            load_block_state(optimizer, int(block), tensors)
+        return
+    for i, (block, index) in enumerate(optimizer.order):
+        saved = state_dict["state"].get(i, state_dict["state"].get(str(i)))
+        if saved is None:
+            optimizer.steps[block][index] = 0
+            continue
+        optimizer.steps[block][index] = int(saved["step"])
+        for kind in FP32_MOMENTS:
+            with optimizer.store.pinned(block, kind, write=True) as flat:
+                optimizer.store.blocks[block].views(flat)[index].copy_(saved[kind])
