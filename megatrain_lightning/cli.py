@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
 from megatrain_lightning.data import TextDataModule
@@ -30,16 +33,29 @@ from megatrain_lightning.planner.plan import (
     format_plan,
     plan_for,
 )
-from megatrain_lightning.serialization.checkpoint import convert_checkpoint
+from megatrain_lightning.serialization.checkpoint import CheckpointError, convert_checkpoint
 from megatrain_lightning.serialization.export import export_hf
+from megatrain_lightning.telemetry.monitor import with_progress_bar
 
 # The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.
 DEFAULT_STRATEGY = {"class_path": "megatrain_lightning.MegaTrainStrategy"}
 
 
+class MegaTrainCLI(LightningCLI):
+    """LightningCLI whose trainers show the step total of ``max_steps`` runs in the progress bar."""
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        kwargs["callbacks"] = with_progress_bar(callbacks, config.get("enable_progress_bar") is not False)
+        return super().instantiate_trainer(**kwargs)
+
+
 def lightning_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     """The LightningCLI of ``megatrain``; ``run=False`` only parses and instantiates (for tests)."""
-    return LightningCLI(
+    return MegaTrainCLI(
         CausalLMModule,
         TextDataModule,
         args=args,
@@ -95,7 +111,10 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("out", help="the Hugging Face model directory to write")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
-    export_hf(args.checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    try:
+        export_hf(args.checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    except (CheckpointError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     print(f"wrote {args.out}")
 
 

@@ -31,7 +31,7 @@ from transformers.trainer_utils import TrainOutput
 
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.strategy import MegaTrainStrategy
-from megatrain_lightning.telemetry.monitor import MegaTrainMonitor
+from megatrain_lightning.telemetry.monitor import MegaTrainMonitor, with_progress_bar
 
 _STRATEGY_OPTIONS: dict[str, Any] = {}
 _MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
@@ -101,6 +101,11 @@ def _is_set(value: Any) -> bool:
 def _interval(value: float, total_steps: int) -> int:
     """Hugging Face step intervals below 1 are fractions of the whole run."""
     return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
+
+
+def _log_interval(logging_steps: float, total_steps: int) -> int:
+    """``logging_steps``, but at least ten logs a run: HF's default 500 would log nothing in a short one."""
+    return min(_interval(logging_steps, total_steps), max(1, total_steps // 10))
 
 
 class _Collator:
@@ -227,10 +232,10 @@ class Trainer:
             kwargs.update(limit_val_batches=0)
         self.trainer = self._lightning_trainer(
             max_steps=total,
-            callbacks=self._callbacks(total),
+            callbacks=with_progress_bar(self._callbacks(total), not a.disable_tqdm),
             accumulate_grad_batches=a.gradient_accumulation_steps,
             gradient_clip_val=a.max_grad_norm or None,
-            log_every_n_steps=_interval(a.logging_steps, total),
+            log_every_n_steps=_log_interval(a.logging_steps, total),
             **kwargs,
         )
         self.module.loss_sum, self.module.loss_count = 0.0, 0

@@ -20,6 +20,8 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from megatrain_lightning.telemetry.monitor import with_progress_bar
+
 log = logging.getLogger(__name__)
 
 
@@ -69,9 +71,10 @@ def run(cfg: DictConfig) -> float | None:
     module = instantiate(cfg.model)
     strategy = build_strategy(cfg.get("strategy"))
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    callbacks = instantiate_named(cfg.get("callbacks"))
     trainer = L.Trainer(
         strategy=strategy,
-        callbacks=instantiate_named(cfg.get("callbacks")),
+        callbacks=with_progress_bar(callbacks, trainer_kwargs.get("enable_progress_bar", True)),
         logger=instantiate_named(cfg.get("logger")) or False,
         **trainer_kwargs,
     )

@@ -8,9 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.cli import COMMANDS, lightning_cli, main
+from megatrain_lightning.telemetry.monitor import StepsProgressBar
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "configs" / "cli" / "tiny.yaml"
@@ -124,8 +126,10 @@ def test_plan_subcommand_prints_the_table(capsys):
 
 
 def test_megatrain_is_the_default_strategy_and_help_lists_every_subcommand(capsys):
-    cli = lightning_cli(["--trainer.strategy.max_vram_gb=0.5", *QUIET], run=False)
+    quiet = [q for q in QUIET if "progress_bar" not in q]
+    cli = lightning_cli(["--trainer.strategy.max_vram_gb=0.5", *quiet], run=False)
     assert isinstance(cli.trainer.strategy, MegaTrainStrategy) and cli.trainer.strategy.max_vram_gb == 0.5
+    assert isinstance(cli.trainer.progress_bar_callback, StepsProgressBar) or not _RICH_AVAILABLE
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
@@ -141,6 +145,14 @@ def test_plan_usage_error_is_one_line_naming_the_presets(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "13b" in err and "tiny, 170m, 1b, 7b, 70b" in err
+
+
+def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing.ckpt is not a megatrain checkpoint directory" in err
 
 
 def test_fit_resumes_from_ckpt_path(tmp_path):

@@ -140,3 +140,34 @@ def test_init_checks_options_at_once():
         mt.Trainer(
             model=tiny_model("llama"), args=TrainingArguments(output_dir="unused", use_cpu=True)
         ).train()
+
+
+def test_short_bf16_run_on_cpu_logs_with_hf_defaults_and_resumes(tmp_path, windows):
+    """The README's arguments on a CPU machine: bf16 with use_cpu, HF's logging_steps=500 on a 4-step run
+    still logs, and train(resume_from_checkpoint=...) continues from the saved step."""
+
+    def args(steps: int) -> TrainingArguments:
+        return TrainingArguments(
+            str(tmp_path),
+            per_device_train_batch_size=2,
+            max_steps=steps,
+            bf16=True,
+            use_cpu=True,
+            save_strategy="steps",
+            save_steps=2,
+            report_to="none",
+            disable_tqdm=True,
+        )
+
+    first = mt.Trainer(model=tiny_model(), args=args(4), train_dataset=windows.train_set)
+    assert first.args.logging_steps == 500
+    first.train()
+    assert first.trainer.precision == "bf16-mixed"
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        logged = [r for r in csv.DictReader(f) if r.get("train_loss")]
+    assert len(logged) == 4  # every step: min(500, max(1, 4 // 10))
+    resumed = mt.Trainer(model=tiny_model(), args=args(6), train_dataset=windows.train_set)
+    out = resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert out.global_step == 6
+    with open(tmp_path / "logs" / "version_1" / "metrics.csv") as f:
+        assert len([r for r in csv.DictReader(f) if r.get("train_loss")]) == 2  # steps 4 and 5 only

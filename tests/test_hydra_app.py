@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import os
 import subprocess
 import sys
@@ -12,11 +13,14 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from conftest import fit, tiny_model
 from entry_points import run_command
 from hydra import compose, initialize
 from hydra.core.global_hydra import GlobalHydra
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import OmegaConf
 
+from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
 
@@ -147,8 +151,14 @@ def test_users_app_multirun_finds_configs_via_plugin(tmp_path):
 def first_run(tmp_path_factory):
     """``megatrain-train`` with the default configs for 2 steps; its folder."""
     root = tmp_path_factory.mktemp("app")
-    with contextlib.chdir(root):
-        assert run_command(["megatrain-train", "trainer.max_steps=2", "hydra.run.dir=first", *FAST]) == 0
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.INFO)  # as in a fresh process (the suite's conftest quiets it)
+    try:
+        with contextlib.chdir(root):
+            assert run_command(["megatrain-train", "trainer.max_steps=2", "hydra.run.dir=first", *FAST]) == 0
+    finally:
+        lightning_log.setLevel(level)
     return root / "first"
 
 
@@ -185,3 +195,14 @@ def test_resume_from_the_apps_checkpoint_with_ckpt_path(first_run, monkeypatch):
     )
     trainer.fit(CausalLMModule("llama"), datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=ckpt)
     assert trainer.global_step == 3
+
+
+def test_offload_folder_is_made_on_first_use_and_never_left_empty(tmp_path, monkeypatch):
+    """The strategy's constructor creates nothing; a run refused before its store exists leaves nothing."""
+    folder = tmp_path / "run" / "offload"
+    MegaTrainStrategy(offload_dir=folder)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr("megatrain_lightning.store.preflight.free_disk_bytes", lambda path: 10 << 20)
+    with pytest.raises(MisconfigurationException, match="GB are free"):
+        fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=folder), steps=1)
+    assert not (tmp_path / "run").exists()

@@ -22,6 +22,8 @@ from megatrain_lightning.models import (
     llama_config,
     tiny_config,
 )
+from megatrain_lightning.serialization.initialization import InitRecorder
+from megatrain_lightning.serialization.meta import init_on_meta
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "megatrain_lightning" / "configs"
@@ -277,3 +279,25 @@ def test_same_seed_same_start_under_plain_and_megatrain(make_module):
     plain = _first_losses(make_module, "auto")
     paged = _first_losses(make_module, "megatrain")
     assert paged == pytest.approx(plain, rel=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2_moe"])
+def test_recorded_meta_build_replays_to_the_plain_build(arch):
+    """Replayed module by module in any order (as the store is filled), the recorded initialization gives
+    the plain build's weights, and the generator ends where the plain build leaves it."""
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(tiny_config(arch))
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(0)
+    with init_on_meta(), InitRecorder() as recorder, InitRecorder() as nested:  # e.g. strategy and module
+        built = AutoModelForCausalLM.from_config(tiny_config(arch))
+    nested.install(built)
+    recorder.install_all(built)
+    assert torch.equal(torch.get_rng_state(), after_plain)
+    built.to_empty(device="cpu")
+    built.tie_weights()
+    for module in reversed(list(built.modules())):
+        built._init_weights(module)
+    assert torch.equal(torch.get_rng_state(), after_plain)  # replaying draws nothing new
+    expected, actual = plain.state_dict(), built.state_dict()
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import struct
 import threading
 import time
@@ -14,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
-from megatrain_lightning.telemetry.monitor import MegaTrainMonitor
+from megatrain_lightning.telemetry.monitor import MegaTrainMonitor, StepsProgressBar, with_progress_bar
 from megatrain_lightning.telemetry.timeline import LANES, Timeline, render
 
 
@@ -82,6 +83,10 @@ class _SyntheticEngine(L.Callback):
 
 @pytest.mark.parametrize("strategy", ["megatrain", "auto"])
 def test_monitor_logs_each_optimizer_step_and_draws_the_timeline(tmp_path, strategy):
+    messages = _Messages()
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(messages)
+    level, _ = lightning_log.level, lightning_log.setLevel(logging.INFO)
     timeline = Timeline()
     monitor = MegaTrainMonitor(timeline_step=1, timeline=timeline)
     trainer = L.Trainer(
@@ -115,3 +120,28 @@ def test_monitor_logs_each_optimizer_step_and_draws_the_timeline(tmp_path, strat
     assert monitor.last_timeline == tmp_path / "run" / "version_0" / "timeline_step1.png"
     assert_png(monitor.last_timeline)
     assert not timeline.enabled
+    lightning_log.removeHandler(messages)
+    lightning_log.setLevel(level)
+    assert f"wrote the timeline of optimizer step 1 to {monitor.last_timeline}" in "\n".join(messages.lines)
+
+
+class _Messages(logging.Handler):
+    """The messages Lightning's logger passes on, whatever its level is set to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize(("max_epochs", "expected"), [(None, "Epoch 0 (max_steps=3)"), (2, "Epoch 0/1")])
+def test_progress_bar_of_a_max_steps_run_has_no_negative_total(max_epochs, expected):
+    bar = StepsProgressBar()
+    trainer = L.Trainer(max_steps=3, max_epochs=max_epochs, callbacks=[bar], logger=False)
+    assert trainer.progress_bar_callback is bar
+    bar.setup(trainer, None, "fit")
+    assert bar._get_train_description(0).strip() == expected
+    assert with_progress_bar([bar]) == [bar] and with_progress_bar([], enabled=False) == []
+    assert isinstance(with_progress_bar([])[-1], StepsProgressBar)

@@ -13,6 +13,7 @@ time, without ever holding the whole model.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,9 @@ _RANDOM_OPS = frozenset(
         "geometric",
     )
 )
+
+
+_active = threading.local()  # the recorder this thread's ops go to
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,22 @@ class InitRecorder(TorchDispatchMode):
         super().__init__()
         self._ops: dict[int, list[_Op]] = {}  # id(meta parameter or its base) -> ops, in order
         self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their ids stay unique
+        self._nested = False
+
+    def __enter__(self) -> InitRecorder:
+        """Inside another recorder this one shares its record: recording twice would draw twice."""
+        outer = getattr(_active, "recorder", None)
+        if outer is not None:
+            self._ops, self._keep, self._nested = outer._ops, outer._keep, True
+            return self
+        _active.recorder = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._nested:
+            return
+        _active.recorder = None
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -104,6 +124,17 @@ class InitRecorder(TorchDispatchMode):
         self._keep.append(base)
         return func(*args, **kwargs)
 
+    def install_all(self, root: nn.Module) -> None:
+        """:meth:`install` on every outermost Hugging Face model inside ``root`` (e.g. a LightningModule
+        whose ``configure_model`` ran under the recorder)."""
+        from transformers import PreTrainedModel
+
+        models = [m for m in root.modules() if isinstance(m, PreTrainedModel)]
+        inner = {id(sub) for m in models for sub in list(m.modules())[1:]}
+        for model in models:
+            if id(model) not in inner:
+                self.install(model)
+
     def install(self, model: nn.Module) -> None:
         """Make ``model._init_weights`` (what megatrain's engine initializes a Hugging Face model's blocks
         with) replay the recorded ops of each module's own parameters; modules added later keep the
@@ -121,8 +152,6 @@ class InitRecorder(TorchDispatchMode):
                     continue
                 seen.add(id(param))
                 own[name] = self._ops.get(id(param), [])
-        self._ops.clear()
-        self._keep.clear()
         original = model._init_weights
         model._init_weights = functools.partial(_replay, replays, original)
 

@@ -49,7 +49,8 @@ def check_offload_dir(path: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise MisconfigurationException(
-            f"`offload_dir={path!r}` cannot be created or written in {existing!r}; choose another folder."
+            f"`offload_dir={path!r}` is not a writable directory and cannot be made one ({existing!r} is "
+            "not a writable folder); choose another folder."
         )
 
 

@@ -9,7 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from typing_extensions import override
 
 from megatrain_lightning.telemetry.timeline import TIMELINE, Timeline, render
@@ -118,6 +120,9 @@ class MegaTrainMonitor(pl.Callback):
         )
         title = f"optimizer step {self._step}: {elapsed * 1e3:.0f} ms, {self._tokens} tokens"
         self.last_timeline = render(events, path, origin=origin, title=title)
+        rank_zero_info(
+            f"MegaTrainMonitor: wrote the timeline of optimizer step {self._step} to {self.last_timeline}"
+        )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -125,3 +130,23 @@ class MegaTrainMonitor(pl.Callback):
             self.timeline.stop()
             self._recording = False
         self._start = None
+
+
+class StepsProgressBar(RichProgressBar):
+    """Lightning's default (rich) progress bar, without its "Epoch 0/-2" for runs bounded by ``max_steps``
+    alone (``max_epochs=-1``): the description then names the epoch and the step total."""
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        trainer = self.trainer
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        description = f"Epoch {current_epoch} (max_steps={trainer.max_steps})"
+        return f"{description:{len(self.validation_description)}}"
+
+
+def with_progress_bar(callbacks: list[pl.Callback], enabled: bool = True) -> list[pl.Callback]:
+    """``callbacks`` plus :class:`StepsProgressBar` where Lightning would add its rich bar."""
+    if not enabled or not _RICH_AVAILABLE or any(isinstance(c, ProgressBar) for c in callbacks):
+        return callbacks
+    return [*callbacks, StepsProgressBar()]
