@@ -19,8 +19,6 @@ from torchmetrics.text import Perplexity
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning.serialization.hf import from_pretrained
-from megatrain_lightning.serialization.initialization import InitRecorder
-from megatrain_lightning.serialization.meta import building_on_meta
 
 TINY_ARCHS = ("llama", "gpt2", "qwen2_moe", "mixtral")
 BYTE_VOCAB = 256
@@ -271,10 +269,6 @@ class CausalLMModule(L.LightningModule):
             return
         if self.pretrained_path is not None:
             self.model = from_pretrained(self.pretrained_path)
-        elif building_on_meta():  # the store is filled later: with what a plain build would draw
-            with InitRecorder() as recorder:
-                self.model = AutoModelForCausalLM.from_config(self.config)
-            recorder.install(self.model)
         else:
             self.model = AutoModelForCausalLM.from_config(self.config)
 

@@ -25,6 +25,7 @@ from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
+from megatrain_lightning.serialization.initialization import InitRecorder
 from megatrain_lightning.serialization.meta import init_on_meta
 from megatrain_lightning.store import sizing
 from megatrain_lightning.store.disk import DiskStore
@@ -206,9 +207,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Parameters created here go to the meta device; buffers stay real (on the CPU)."""
-        with init_on_meta(), self.precision_plugin.tensor_init_context():
+        """Parameters created here go to the meta device; buffers stay real (on the CPU). What a plain
+        build would draw for them is recorded, so the store starts from the same weights as under the
+        default strategy with the same seed (:mod:`megatrain_lightning.serialization.initialization`)."""
+        with init_on_meta(), self.precision_plugin.tensor_init_context(), InitRecorder() as recorder:
             yield
+        if self.lightning_module is not None:
+            recorder.install_all(self.lightning_module)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -264,14 +264,7 @@ def _first_losses(make_module, strategy: str, steps: int = 2) -> list[float]:
         pytest.param(
             lambda: CausalLMModule(AutoModelForCausalLM.from_config(tiny_config("llama"))), id="init"
         ),
-        pytest.param(
-            lambda: _BuildsInConfigureModel("llama"),
-            id="user-configure_model",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="needs megatrain_lightning.serialization.initialization.InitRecorder around the strategy's tensor_init_context",
-            ),
-        ),
+        pytest.param(lambda: _BuildsInConfigureModel("llama"), id="user-configure_model"),
     ],
 )
 def test_same_seed_same_start_under_plain_and_megatrain(make_module):
