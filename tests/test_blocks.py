@@ -135,3 +135,9 @@ def test_a_parameter_owner_inside_another_is_paged_by_the_outer_call():
     embed_block = discover_blocks(PlainLM())[0]
     assert [site.name for site in embed_block.sites] == ["embed"]
     assert {p.name for p in embed_block.params} == {"embed.weight", "embed.norm.weight", "embed.norm.bias"}
+
+
+@pytest.mark.parametrize("arch", ["hrm_text", "zaya"])
+def test_a_model_whose_layer_container_owns_parameters_is_refused_clearly(arch):
+    with pytest.raises(MisconfigurationException, match="owns parameters and also contains the blocks"):
+        discover_blocks(tiny_zoo_model(arch))

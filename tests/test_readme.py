@@ -155,3 +155,21 @@ def test_readme(index, item, in_workdir):
         run = in_workdir / f"outputs/cmd{index}"
         assert (run / "lightning_logs/version_0/checkpoints/last.ckpt").is_dir()
         assert "final train_loss:" in (run / "train.log").read_text()
+
+
+def test_what_works_lists_the_zoo_and_names_existing_tests():
+    """The README's "What works": its architectures are the zoo's, and every test it names exists."""
+    from zoo import readme_section
+
+    readme = (REPO / "README.md").read_text()
+    start, end = "-->\n", "\n<!-- /zoo -->"
+    section = readme.split("<!-- zoo:", 1)[1].split(start, 1)[1].split(end, 1)[0]
+    assert section.strip() == readme_section(), f"paste this between the zoo markers:\n{readme_section()}"
+    table = readme.split("## What works", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(test_\w+)`", table))
+    defined = {
+        m
+        for path in (REPO / "tests").glob("test_*.py")
+        for m in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
+    }
+    assert named and named <= defined, f"not tests: {sorted(named - defined)}"

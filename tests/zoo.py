@@ -248,6 +248,11 @@ EXCLUDED: dict[str, str] = {
     ),
     "xlstm": "the default call (`use_cache=True`) fails to backward in transformers itself, under plain "
     "PyTorch (its chunkwise kernel updates the recurrent state in place)",
+    **dict.fromkeys(
+        ("hrm_text", "zaya"),
+        "the module holding the layers owns parameters itself (HRM's `z_L_init`, ZAYA's input scale): "
+        "megatrain refuses it with a clear error naming `block_classes` (tests/test_blocks.py)",
+    ),
     "blt": "Byte Latent Transformer: entropy patcher plus local encoder/decoder and global sub-models (four sub-configs)",
     "musicgen": "audio-codebook decoder: takes (batch x codebooks) token ids and a text-encoder config",
     "musicgen_melody": "audio-codebook decoder: takes (batch x codebooks) token ids and a text-encoder config",
@@ -345,3 +350,29 @@ def tiny_zoo_model(model_type: str, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_zoo_config(model_type))
+
+
+def included_archs() -> list[str]:
+    """The zoo: every name of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` not in ``EXCLUDED``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(EXCLUDED))
+
+
+def readme_section() -> str:
+    """The README's list of architectures, between its ``<!-- zoo -->`` markers."""
+    import transformers
+
+    archs = included_archs()
+    lines = [
+        f"**Architectures** (`tests/test_zoo.py`, transformers {transformers.__version__}, tiny configs): "
+        f"these {len(archs)} causal LMs train bitwise like plain Lightning under the model's default call, "
+        f"with and without activation checkpointing: {', '.join(archs)}.",
+        "",
+        "Left out:",
+    ]
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in sorted(EXCLUDED.items()):
+        by_reason.setdefault(reason, []).append(name)
+    lines += [f"- {', '.join(names)}: {reason}." for reason, names in by_reason.items()]
+    return "\n".join(lines)
