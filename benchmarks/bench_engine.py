@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.models import llama_config
+from megatrain_lightning.presets import llama_config
 
 GOALS = {"b": 1.05, "c": 1.15}  # goal for the step-time ratio to the plain run
 FOREIGN_SHARE = 0.1  # a step is clean if other processes used under this share of one core meanwhile

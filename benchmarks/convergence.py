@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.models import CausalLMModule, tiny_config
+from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.presets import tiny_config
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -45,7 +45,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.models import llama_config, tiny_config
+from megatrain_lightning.presets import llama_config, tiny_config
 
 LOSS_RTOL = 1e-4  # parity: largest relative loss difference accepted
 PARAM_ATOL = 1e-3  # parity: largest absolute parameter difference accepted (an Adam step moves a weight ~lr)

@@ -4,10 +4,12 @@ this machine; the disk tier's folder, free space and cache are checked before an
 
 from __future__ import annotations
 
+import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
@@ -26,6 +28,20 @@ if TYPE_CHECKING:
     from megatrain_lightning.strategy import MegaTrainStrategy
 
 _GB = 1e9
+
+
+def gb_option(name: str, value: Any) -> float | None:
+    """A budget option in GB: a positive finite number, or ``None`` for the planner's choice."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise MisconfigurationException(f"`{name}` must be a positive number of GB or None; got {value!r}.")
+    return float(value)
 
 
 def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[EngineConfig, list[str]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -22,6 +21,7 @@ from typing_extensions import override
 from megatrain_lightning import budgets
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.optim import state_dict as adam_state
+from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
@@ -40,20 +40,6 @@ from megatrain_lightning.store.preflight import (
 from megatrain_lightning.telemetry.stats import EngineStats
 
 _GB = 1e9
-COMPRESSIONS = ("none", "int8", "int4")
-
-
-def _budget(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise MisconfigurationException(f"`{name}` must be a positive number of GB or None; got {value!r}.")
-    return float(value)
 
 
 def _reads_final_gradients(trainer: pl.Trainer) -> bool:
@@ -121,8 +107,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         super().__init__(device="cpu", accelerator=accelerator, precision_plugin=precision_plugin, **kwargs)
         self._root_device = None
         self._parallel_devices: list[torch.device] | None = None
-        self.max_vram_gb = _budget("max_vram_gb", max_vram_gb)
-        self.max_cpu_gb = _budget("max_cpu_gb", max_cpu_gb)
+        self.max_vram_gb = budgets.gb_option("max_vram_gb", max_vram_gb)
+        self.max_cpu_gb = budgets.gb_option("max_cpu_gb", max_cpu_gb)
         if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
             raise MisconfigurationException(
                 f"`offload_dir` must be a path, 'auto' or None; got {offload_dir!r}."
@@ -133,7 +119,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             optimizer_compression = "int4" if optimizer_compression else "none"
         if optimizer_compression not in COMPRESSIONS:
             raise MisconfigurationException(
-                f"`optimizer_compression` must be one of {COMPRESSIONS}; got {optimizer_compression!r}."
+                f"`optimizer_compression` must be one of {tuple(COMPRESSIONS)}; "
+                f"got {optimizer_compression!r}."
             )
         self.optimizer_compression = optimizer_compression
         self.block_classes = list(block_classes) if block_classes else None

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.models import CausalLMModule, tiny_config
+from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.presets import tiny_config
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 from megatrain_lightning import MegaTrainStrategy, open_checkpoint
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.placeholders import ParamPlaceholder
-from megatrain_lightning.models import CausalLMModule, tiny_config
+from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.presets import tiny_config
 from megatrain_lightning.serialization.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.hf import from_pretrained

@@ -145,7 +145,8 @@ MEMORY_SCRIPT = peak_rss_script(
     import lightning as L, psutil, torch
     import megatrain_lightning
     from megatrain_lightning.data import TextDataModule
-    from megatrain_lightning.models import CausalLMModule, tiny_config
+    from megatrain_lightning.models import CausalLMModule
+    from megatrain_lightning.presets import tiny_config
 
     folder, cache_gb = sys.argv[1], float(sys.argv[2])
     config = tiny_config("llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=24,

@@ -15,13 +15,8 @@ from conftest import LossRecorder
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.models import (
-    TINY_ARCHS,
-    CausalLMModule,
-    WarmupCosine,
-    llama_config,
-    tiny_config,
-)
+from megatrain_lightning.models import CausalLMModule, WarmupCosine
+from megatrain_lightning.presets import TINY_ARCHS, llama_config, tiny_config
 from megatrain_lightning.serialization.initialization import InitRecorder
 from megatrain_lightning.serialization.meta import init_on_meta
 

@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.models import llama_config, tiny_config
 from megatrain_lightning.planner.plan import (
     LEGEND,
     RESERVE,
@@ -22,6 +21,7 @@ from megatrain_lightning.planner.plan import (
     plan_for,
     recommend,
 )
+from megatrain_lightning.presets import llama_config, tiny_config
 
 GB = 1e9
 # Llama-2-7B by hand: h=4096, i=11008, 32 layers, vocabulary 32000, untied head.

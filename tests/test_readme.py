@@ -110,7 +110,7 @@ def workdir(tmp_path_factory):
     """A fresh folder holding what the README's commands refer to: its configs, examples and inputs."""
     from transformers import AutoModelForCausalLM
 
-    from megatrain_lightning.models import tiny_config
+    from megatrain_lightning.presets import tiny_config
 
     root = tmp_path_factory.mktemp("readme")
     shutil.copytree(REPO / "configs", root / "configs")

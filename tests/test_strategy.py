@@ -16,7 +16,8 @@ import megatrain_lightning  # noqa: F401  (registers "megatrain")
 from megatrain_lightning import CPUAdamW, MegaTrainPrecision, MegaTrainStrategy
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.placeholders import ParamPlaceholder
-from megatrain_lightning.models import CausalLMModule, tiny_config
+from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.presets import tiny_config
 
 
 def _trainer(strategy="megatrain", **kwargs) -> L.Trainer:

@@ -8,6 +8,18 @@ rebound to the new slot, computes the block's parameter gradients and offloads t
 Between calls the module holds placeholders (:mod:`megatrain_lightning.engine.placeholders`) in place of
 its parameters: shapes, device and dtype for whoever asks, no storage anywhere but the store. What a
 block's recompute may see is :mod:`megatrain_lightning.engine.recompute`'s rule.
+
+Threads and locks (the contract every part keeps):
+
+- the compute thread (Lightning's) runs forward and backward, acquires and releases slots, offloads
+  gradients (inline on the CPU) and submits block updates; it is the only one that calls the engine;
+- the pager's prefetch worker copies blocks into free slots; before a load it waits for the block's
+  pending update. Slots, the resident map and the trace are guarded by ``Pager._cond``;
+- the gradient-offload worker (CUDA) adds copied gradients into the store and submits the block's
+  update; ``flush`` waits for all of its work before anyone reads the sums;
+- the optimizer's workers run block updates (:mod:`megatrain_lightning.optim.updates` guards what is
+  pending); a block's buffers are touched only by its update, or by a thread that waited for it;
+- the disk tier's I/O workers read and write block files; its cache is guarded by ``DiskStore._cond``.
 """
 
 from __future__ import annotations

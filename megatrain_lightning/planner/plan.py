@@ -41,7 +41,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.models import llama_config, resolve_config, tiny_config
+from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
+from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
 from megatrain_lightning.store.sizing import working_blocks
 
 GB = 1e9
@@ -50,7 +51,7 @@ MASTER_BYTES = 4.0  # fp32 master weights in the store
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
 STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
-COMPRESSIONS = tuple(STATE_BYTES)
+COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
 MIN_SLOTS = 2  # one block computing while the next one is fetched
 # Disk tier: fp32 blocks of one kind held in RAM beyond one per slot (the strategy's working set with
 # one optimizer thread).
