@@ -53,6 +53,23 @@ class Run:
         return self.module.state_dict()
 
 
+def quiet_trainer(strategy: Any, steps: int, callbacks: list[L.Callback], **overrides: Any) -> L.Trainer:
+    """A Trainer on the CPU for ``steps`` optimizer steps, without logger, checkpoints, progress bar,
+    model summary or validation unless ``overrides`` say otherwise."""
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return L.Trainer(strategy=strategy, callbacks=callbacks, **(kwargs | overrides))
+
+
 def fit(
     model: torch.nn.Module,
     strategy: Any = "auto",
@@ -65,20 +82,7 @@ def fit(
     """Train a copy of ``model`` on the shipped corpus: two param groups, warmup + cosine schedule."""
     module = CausalLMModule(copy.deepcopy(model), lr=lr, warmup_steps=2, max_steps=steps)
     recorder = LossRecorder()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[recorder],
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(strategy, steps, [recorder], **trainer_kwargs)
     torch.manual_seed(1)
     trainer.fit(module, datamodule=TextDataModule(seq_len=seq_len, batch_size=batch_size))
     return Run(module, trainer, recorder.losses)
@@ -149,22 +153,9 @@ def user_fit(
     """Train a copy of ``model`` inside a :class:`UserLM` (or ``module_cls``) for ``steps`` micro-batches."""
     module = module_cls(copy.deepcopy(model))
     recorder = LossRecorder()
-    kwargs: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    kwargs.update(trainer_kwargs)
-    trainer = L.Trainer(strategy=strategy, callbacks=[recorder, *(callbacks or [])], **kwargs)
-    batches = token_batches(
-        steps * kwargs.get("accumulate_grad_batches", 1), vocab=vocab, seq_len=seq_len, dicts=dicts
-    )
+    trainer = quiet_trainer(strategy, steps, [recorder, *(callbacks or [])], **trainer_kwargs)
+    micro_batches = steps * trainer_kwargs.get("accumulate_grad_batches", 1)
+    batches = token_batches(micro_batches, vocab=vocab, seq_len=seq_len, dicts=dicts)
     torch.manual_seed(1)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return Run(module, trainer, recorder.losses)
@@ -216,18 +207,7 @@ def fit_module(
     losses of this fit are in the returned run (for a second ``fit`` on the same module)."""
     recorder = LossRecorder()
     if trainer is None:
-        kwargs: dict[str, Any] = dict(
-            accelerator="cpu",
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-        )
-        trainer = L.Trainer(strategy=strategy, callbacks=[*(callbacks or [])], **(kwargs | trainer_kwargs))
+        trainer = quiet_trainer(strategy, steps, [*(callbacks or [])], **trainer_kwargs)
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LossRecorder)] + [recorder]
     batches = token_batches(steps, seed=seed)
     torch.manual_seed(1)

@@ -75,6 +75,14 @@ def _assert_clean(engine: Engine) -> None:
         assert all(future.done() for future in engine.optimizer.updates.futures())
 
 
+def _assert_unchanged_and_clean(engine: Engine, block: int, initial: dict[str, torch.Tensor]) -> None:
+    """The failed block's weights are what they were before the run, and nothing is left pending."""
+    stored = _stored_weights(engine)
+    for name in _block_names(engine, block):
+        assert torch.equal(stored[name], initial[name]), name
+    _assert_clean(engine)
+
+
 def _fails(
     module: UserLM,
     strategy: MegaTrainStrategy,
@@ -111,10 +119,7 @@ def test_failed_block_update(model, plain, monkeypatch, tmp_path, tier):
     losses = _fails(module, strategy, "injected update failure")
     assert len(losses) <= 1, "a step ran after a block's update had failed"
     engine = strategy.engine
-    stored = _stored_weights(engine)
-    for name in _block_names(engine, failing):
-        assert torch.equal(stored[name], initial[name]), name
-    _assert_clean(engine)
+    _assert_unchanged_and_clean(engine, failing, initial)
     monkeypatch.undo()
     if tier == "host":  # the next fit may also change the settings (a new slot budget: a new pager)
         kwargs = {"max_vram_gb": 3.2e-4}
@@ -132,10 +137,7 @@ def test_failed_gradient_add(model, plain, monkeypatch, asynchronous):
     monkeypatch.setattr(HostGrads, "_add", add)
     assert _fails(module, strategy, "injected gradient failure") == []
     engine = strategy.engine
-    stored = _stored_weights(engine)
-    for name in _block_names(engine, failing):
-        assert torch.equal(stored[name], initial[name]), name
-    _assert_clean(engine)
+    _assert_unchanged_and_clean(engine, failing, initial)
     monkeypatch.undo()
     _then_fits_clean(model, plain, module, engine)
 

@@ -16,6 +16,7 @@ from conftest import (
     UserLM,
     assert_same_training,
     fit_module,
+    quiet_trainer,
     tiny_model,
     token_batches,
     user_fit,
@@ -315,16 +316,7 @@ def test_lr_find_matches_and_restores_the_weights(model, tmp_path):
     found, weights = [], []
     for name, strategy in (("plain", "auto"), ("megatrain", MegaTrainStrategy())):
         module = UserLM(copy.deepcopy(model))
-        trainer = L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path / name,
-        )
+        trainer = quiet_trainer(strategy, -1, [], default_root_dir=tmp_path / name)
         batches = torch.utils.data.DataLoader(token_batches(8), batch_size=None)
         torch.manual_seed(1)
         finder = Tuner(trainer).lr_find(module, train_dataloaders=batches, num_training=6, update_attr=False)
