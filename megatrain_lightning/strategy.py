@@ -19,6 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from megatrain_lightning import budgets
+from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
@@ -42,6 +43,9 @@ from megatrain_lightning.telemetry.stats import EngineStats
 _GB = 1e9
 
 
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")  # where users read gradients
+
+
 def _reads_final_gradients(trainer: pl.Trainer) -> bool:
     """Whether user code may see or change the summed gradients before the optimizer step (clipping,
     gradient norms in ``on_before_optimizer_step``): then no block is updated before the backward ends."""
@@ -50,8 +54,8 @@ def _reads_final_gradients(trainer: pl.Trainer) -> bool:
         # Manual optimization may clip (`self.clip_gradients`) after a backward inside `opt.step(closure)`.
         not module.automatic_optimization
         or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
-        or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
-        or any(is_overridden("on_before_optimizer_step", c, pl.Callback) for c in trainer.callbacks)
+        or any(is_overridden(hook, module, pl.LightningModule) for hook in _GRADIENT_HOOKS)
+        or any(is_overridden(hook, c, pl.Callback) for hook in _GRADIENT_HOOKS for c in trainer.callbacks)
     )
 
 
@@ -223,7 +227,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         finally:
             self._remove_created_dirs_with_store()
         self.precision_plugin.device = self.root_device.type
-        self.model = self.precision_plugin.convert_module(self.model)
+        with converting_modules():
+            self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

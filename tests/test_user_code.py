@@ -199,3 +199,93 @@ def test_generate_with_its_cache_works_after_training(arch):
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     expected = plain.module.model.generate(prompt, **kwargs)
     assert torch.equal(paged.module.model.generate(prompt, **kwargs), expected)
+
+
+class AliasingHead(torch.nn.Module):
+    """Returns one of its own weights as an output (a view of the slot while the block runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(256))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.bias
+
+
+class AliasingLM(ToyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = AliasingHead()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        out = super().forward(input_ids, labels=None)
+        bias = self.offset(out.logits)  # a weight, returned; the next blocks reuse its slot
+        for layer in self.layers:
+            layer(torch.zeros(1, 1, 32))
+        logits = out.logits + bias
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_block_returning_its_own_weight_keeps_it_after_the_slot_is_reused(checkpointing):
+    torch.manual_seed(0)
+    model = AliasingLM()
+    plain = user_fit(model, "auto")
+    one_slot = MegaTrainStrategy(
+        block_classes=[GradModeLayer], activation_checkpointing=checkpointing, max_vram_gb=3.4e-5
+    )
+    assert_same_training(plain, user_fit(model, one_slot))
+
+
+def test_placeholders_in_lists_and_as_read_only_arguments_of_in_place_ops():
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
+    params = list(run.module.model.model.norm.parameters()) + list(run.module.model.lm_head.parameters())
+    stored = [p.detach().clone() for p in params]
+    assert torch.equal(torch.cat([p.flatten() for p in params]), torch.cat([s.flatten() for s in stored]))
+    with torch.no_grad():
+        ema = [torch.zeros_like(s) for s in stored]
+        torch._foreach_lerp_(ema, params, 0.5)  # what AveragedModel does: reads the weights
+        ema[0].add_(params[0])
+    assert torch.equal(ema[0], stored[0] * 1.5)
+    snapshot = params[0].detach().to(torch.bfloat16)
+    assert not isinstance(snapshot, ParamPlaceholder) and torch.equal(snapshot, stored[0].bfloat16())
+
+
+class MixedPenaltyLM(UserLM):
+    def training_step(self, batch, batch_idx):
+        frozen, trainable = self.model.model.norm.weight, self.model.lm_head.weight
+        return super().training_step(batch, batch_idx) + 1e-4 * torch.add(frozen.sum(), trainable.sum())
+
+
+def test_any_trainable_weight_read_in_training_step_raises():
+    model = tiny_model("llama")
+    model.model.norm.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="lm_head.weight` was read outside"):
+        user_fit(model, MegaTrainStrategy(), module_cls=MixedPenaltyLM)
+
+
+class GradAtBatchEnd(L.Callback):
+    def __init__(self) -> None:
+        self.after_backward: list[float] = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.after_backward.append(float(pl_module.model.lm_head.weight.grad.norm()))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_gradients_in_on_after_backward_equal_plain(tier, tmp_path):
+    model = tiny_model("llama")
+    plain_hook, paged_hook = GradAtBatchEnd(), GradAtBatchEnd()
+    plain = user_fit(model, "auto", callbacks=[plain_hook])
+    kwargs = {"offload_dir": tmp_path / "store", "max_cpu_gb": 0.01} if tier == "disk" else {}
+    with pytest.warns(UserWarning, match="p.grad. is a copy"):
+        paged = user_fit(model, MegaTrainStrategy(**kwargs), callbacks=[paged_hook])
+    assert_same_training(plain, paged)
+    assert paged_hook.after_backward == pytest.approx(plain_hook.after_backward, rel=1e-6)
+
+
+def test_a_gradient_the_disk_tier_dropped_reads_none_not_zeros(tmp_path):
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=tmp_path / "store", max_cpu_gb=0.01))
+    with pytest.warns(UserWarning, match="dropped once its update used it"):
+        assert run.module.model.lm_head.weight.grad is None

@@ -35,6 +35,7 @@ class HostGrads:
         self.store = store
         self.stats = stats
         self._present: list[set[int]] = [set() for _ in store.blocks]
+        self._consumed: set[int] = set()  # blocks whose sums an update used since ``clear``
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
         asynchronous = cuda if asynchronous is None else asynchronous
@@ -42,6 +43,14 @@ class HostGrads:
         self._staging: dict[torch.dtype, list[Tensor]] = {}
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
+
+    def consumed(self, block: int) -> None:
+        """``block``'s update has used its gradient sums (the store may have dropped them)."""
+        self._consumed.add(block)
+
+    def dropped(self, block: int) -> bool:
+        """Whether ``block``'s gradient sums were used by its update and are no longer in the store."""
+        return block in self._consumed and self.store.drops_discarded
 
     def present(self, block: int) -> list[int]:
         """Indices of ``block``'s parameters that received a gradient since ``clear``."""
@@ -95,6 +104,7 @@ class HostGrads:
         finally:
             for present in self._present:
                 present.clear()
+            self._consumed.clear()
 
     def close(self) -> None:
         if self._worker is not None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from megatrain_lightning.engine.blocks import CallSite
 from megatrain_lightning.engine.recompute import ForwardState, discarding_saved_tensors
@@ -55,6 +55,17 @@ class Call:
         return tree_unflatten(flat, self.out_spec)
 
 
+def off_slot(value: Any, slot: Tensor) -> Any:
+    """``value`` with every tensor that is a view of the slot (a block returning one of its weights)
+    copied: once the block is released, the slot holds another block's weights."""
+    storage = slot.untyped_storage().data_ptr()
+
+    def own(t: Any) -> Any:
+        return t.clone() if isinstance(t, Tensor) and t.untyped_storage().data_ptr() == storage else t
+
+    return tree_map(own, value)
+
+
 def _detached(tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
@@ -77,12 +88,12 @@ class PagedCall(torch.autograd.Function):
         if engine.config.activation_checkpointing:
             ctx.forward_state = ForwardState.capture(engine.config.device)
             with (
-                engine.resident(site, backward=False, grad=True),
+                engine.resident(site, backward=False, grad=True) as (slot, _),
                 torch.enable_grad(),
                 discarding_saved_tensors(),
                 TIMELINE.span("compute"),
             ):
-                outputs = call.run(_detached(tensors))
+                outputs = off_slot(call.run(_detached(tensors)), slot)
             ctx.save_for_backward(*tensors)
         else:
             with engine.resident(site, backward=False, grad=True) as (slot, leaves):
@@ -108,11 +119,12 @@ class PagedCall(torch.autograd.Function):
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack),
                     TIMELINE.span("compute"),
                 ):
-                    outputs = call.run(inputs)
+                    outputs = off_slot(call.run(inputs), slot)
             ctx.graph = (outputs, inputs, leaves)
-        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        returned = tuple(o.detach() for o in outputs)
+        ctx.mark_non_differentiable(*[o for o in returned if not o.is_floating_point()])
         ctx.set_materialize_grads(False)
-        return tuple(o.detach() for o in outputs)
+        return returned
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor | None) -> Any:

@@ -12,12 +12,15 @@ behind the store's back (in-place ops), it raises an error that names megatrain 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 class WeightSource(Protocol):
@@ -86,27 +89,36 @@ class ParamPlaceholder(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        placeholders = [a for a in args if isinstance(a, ParamPlaceholder)]
-        first = placeholders[0] if placeholders else None
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and first is args[0]:
-            return first._like()  # `p.data`, `p.detach()`: still a placeholder
-        if func is torch.ops.aten._to_copy.default and first is args[0] and set(kwargs) <= _METADATA_ONLY:
-            # `module.to(dtype)` (bf16-true) or `module.to(device)`: what it reports changes, not the store.
-            return first._like(kwargs.get("dtype"), kwargs.get("device"))
-        if first is None:  # a placeholder in kwargs only (e.g. `out=`): treat it like any other argument
-            first = next(v for v in kwargs.values() if isinstance(v, ParamPlaceholder))
-        if func._schema.is_mutable:
+        first = args[0] if args else None
+        if isinstance(first, ParamPlaceholder):
+            if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+                return first._like()  # `p.data`, `p.detach()`: still a placeholder
+            if (
+                func is torch.ops.aten._to_copy.default
+                and _converting.active
+                and set(kwargs) <= _METADATA_ONLY
+            ):
+                # The strategy's `module.to(dtype)` (bf16-true): what it reports changes, not the store.
+                return first._like(kwargs.get("dtype"), kwargs.get("device"))
+        written = _written_arguments(func, args, kwargs)
+        for placeholder in tree_flatten((args, kwargs))[0]:
+            if isinstance(placeholder, ParamPlaceholder):
+                placeholder._check_use(func, changed=any(placeholder is w for w in written))
+        return func(*tree_map(_materialized, args), **tree_map(_materialized, kwargs))
+
+    def _check_use(self, func: Any, changed: bool) -> None:
+        """Refuse what would change the store behind its back or lose a gradient."""
+        if changed:
             raise RuntimeError(
-                f"megatrain: `{first._name}` cannot be changed in place ({func}): its weights live in "
+                f"megatrain: `{self._name}` cannot be changed in place ({func}): its weights live in "
                 "megatrain's store. Use `module.load_state_dict(...)` to set weights."
             )
-        if first._source.guard_training_reads and torch.is_grad_enabled() and first.requires_grad:
+        if self._source.guard_training_reads and torch.is_grad_enabled() and self.requires_grad:
             raise RuntimeError(
-                f"megatrain: `{first._name}` was read outside the block that owns it during `training_step` "
+                f"megatrain: `{self._name}` was read outside the block that owns it during `training_step` "
                 f"({func}); its gradient would be lost. Read parameters only inside their own module's "
                 "forward, or name the module that reads it in `MegaTrainStrategy(block_classes=...)`."
             )
-        return func(*tree_map(_materialized, args), **tree_map(_materialized, kwargs))
 
     @property
     def grad(self) -> Tensor | None:  # type: ignore[override]
@@ -134,6 +146,37 @@ class ParamPlaceholder(Tensor):
 
 
 _METADATA_ONLY = {"dtype", "device", "layout", "non_blocking", "memory_format"}
+
+
+class _Converting(threading.local):
+    active = False
+
+
+_converting = _Converting()
+
+
+@contextlib.contextmanager
+def converting_modules() -> Iterator[None]:
+    """Within, ``module.to(dtype)`` changes the dtype placeholders report (the strategy converting a
+    module for ``bf16-true``); elsewhere ``p.to(...)`` gives a copy of the weights, as for any tensor."""
+    _converting.active = True
+    try:
+        yield
+    finally:
+        _converting.active = False
+
+
+def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments ``func`` writes to (``self`` of an in-place op, ``out=``), by its schema."""
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.kwarg_only or position >= len(args):
+            written.append(kwargs.get(argument.name))
+        else:
+            written.append(args[position])
+    return [leaf for value in written for leaf in tree_flatten(value)[0]]
 
 
 def _materialized(value: Any) -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from megatrain_lightning.engine import hooks
 from megatrain_lightning.engine.blocks import CallSite, discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.engine.paged_call import Call, PagedCall
+from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
@@ -255,6 +256,14 @@ class Engine:
         self.grads.flush()
         if index not in self.grads.present(block):
             return None
+        if self.grads.dropped(block):  # never zeros for a sum that is gone
+            warnings.warn(
+                "megatrain: with `offload_dir`, a block's gradient is dropped once its update used it, so "
+                "`p.grad` is None after the update; read gradients in `on_after_backward` or "
+                "`on_before_optimizer_step` (updates wait for those hooks).",
+                stacklevel=3,
+            )
+            return None
         with self.store.pinned(block, "grad") as flat:
             return self.blocks[block].views(flat)[index].clone()
 
@@ -290,9 +299,9 @@ class Engine:
     def close(self) -> None:
         """Stop the worker threads and release the store (the disk tier removes its files unless kept).
         Otherwise that happens when the model is garbage-collected or the process exits."""
+        self.grads.close()  # first: a pending offload may still submit an update
         if self.optimizer is not None:
             self.optimizer.close()
-        self.grads.close()
         self.pager.close()
         self.store.close()
         self.uninstall()
@@ -335,8 +344,8 @@ class Engine:
             t.requires_grad for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)
         )
         if not (torch.is_grad_enabled() and trains):
-            with self.resident(site, backward=False, grad=False), TIMELINE.span("compute"):
-                return forward(*args, **kwargs)
+            with self.resident(site, backward=False, grad=False) as (slot, _), TIMELINE.span("compute"):
+                return off_slot(forward(*args, **kwargs), slot)
         args, kwargs = training_arguments(site.module, forward, args, kwargs)
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]

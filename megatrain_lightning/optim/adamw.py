@@ -119,15 +119,15 @@ class CPUAdamW(Optimizer):
         self._locate = locate
         self._plan: list[list[tuple[int, list[int]]]] = [[] for _ in store.blocks]
         self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
+        self.stats = stats or EngineStats()
+        # One object shared with Lightning's wrapper of this optimizer (which copies ``__dict__``).
+        self.updates = UpdateQueue(threads, self.stats)
         super().__init__(params, defaults)
         self.store = store
         self.grads = grads
         self.decoupled_weight_decay = decoupled_weight_decay
         self.defer_updates = False
-        self.stats = stats or EngineStats()
         self._before_update = before_update
-        # One object shared with Lightning's wrapper of this optimizer (which copies ``__dict__``).
-        self.updates = UpdateQueue(threads, self.stats)
         self._in_step = False
         self._hparams: list[_GroupHparams] = []
         self._clip = _Clip()
@@ -147,6 +147,7 @@ class CPUAdamW(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does; also later, e.g. ``BaseFinetuning`` unfreezing a layer) and plan
         which block buffers its parameters' updates cover."""
+        self.updates.wait_all()  # no update may read the plan while it grows
         super().add_param_group(param_group)
         group = len(self.param_groups) - 1
         by_block: dict[int, list[int]] = {}
@@ -327,6 +328,7 @@ class CPUAdamW(Optimizer):
         with self.store.pinned_all(block, self.update_kinds, write=True) as flats:
             self._update_pinned(block, flats, hparams, clip)
         self.store.discard(block, "grad")
+        self.grads.consumed(block)
         self.store.written(block, ("param", *self.state_kinds))
 
     def _update_pinned(

@@ -115,9 +115,9 @@ class UpdateQueue:
         self.failure.raise_if_any()
 
     def wait_for_room(self) -> None:
-        """Back-pressure for the backward pass: return once at most ``max_queued`` updates are queued or
-        running. A backward that runs far ahead of the updates only piles up gradients (which the disk
-        tier must then spill); the updates, not the backward, decide when the next forward can start."""
+        """Back-pressure for the backward pass: with more than ``max_queued`` updates queued or running,
+        wait until one of them is done. A backward that runs far ahead of the updates only piles up
+        gradients (which the disk tier must then spill); the updates decide when the next forward starts."""
         with self._lock:
             queued = [f for f in self._pending.values() if not f.done()]
         if len(queued) > self.max_queued:

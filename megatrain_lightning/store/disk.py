@@ -71,6 +71,8 @@ def _failed(future: Future | None) -> bool:
 
 
 class DiskStore(HostStore):
+    drops_discarded = True
+
     def __init__(
         self,
         blocks: list[Block],

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 class HostStore:
     """Per-block flat host buffers by kind (``param``, ``grad``, ``exp_avg``, ...), all in RAM."""
 
+    drops_discarded = False  # whether ``discard`` loses the contents (the disk tier's cache does)
+
     def __init__(
         self, blocks: list[Block], pin_memory: bool = False, stats: EngineStats | None = None
     ) -> None:
