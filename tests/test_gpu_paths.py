@@ -19,6 +19,7 @@ from megatrain_lightning.engine import grads as grads_module
 from megatrain_lightning.engine import runtime as engine_module
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.serialization.checkpoint import CheckpointDir
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
 
@@ -117,3 +118,32 @@ def test_offload_keeps_no_reference_to_the_gradients(model, monkeypatch):
         stored = blocks[block].views(grads.store.read(block, "grad"))[0]
         assert torch.equal(stored, grad)
     grads.close()
+
+
+def test_checkpoint_saves_and_restores_the_cuda_rng_state(model, tmp_path, monkeypatch):
+    """On CUDA the root device's generator (dropout) is saved and restored with the CPU's; a checkpoint
+    without it (saved on the CPU, or by an older version) still loads. The device is faked on the CPU."""
+    run = user_fit(model, MegaTrainStrategy(), steps=1)
+    strategy = run.trainer.strategy
+    device_state = torch.arange(16, dtype=torch.uint8)
+    restored: list[tuple[torch.Tensor, torch.device]] = []
+    monkeypatch.setattr(MegaTrainStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: device_state.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    cpu_state = torch.get_rng_state()
+    run.trainer.save_checkpoint(tmp_path / "ckpt")
+    saved = CheckpointDir.verify(tmp_path / "ckpt").lightning_state()
+    assert torch.equal(saved["megatrain_rng"], cpu_state)
+    assert torch.equal(saved["megatrain_cuda_rng"], device_state)
+
+    torch.manual_seed(123)  # draw elsewhere: loading must bring the saved states back
+    strategy.load_model_state_dict(strategy.load_checkpoint(tmp_path / "ckpt"))
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    assert len(restored) == 1 and torch.equal(restored[0][0], device_state)
+    assert restored[0][1] == torch.device("cuda", 0)
+
+    loaded = strategy.load_checkpoint(tmp_path / "ckpt")
+    del loaded["megatrain_cuda_rng"]
+    torch.manual_seed(123)
+    strategy.load_model_state_dict(loaded)
+    assert torch.equal(torch.get_rng_state(), cpu_state) and len(restored) == 1
