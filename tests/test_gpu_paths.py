@@ -97,26 +97,30 @@ def test_offload_backlog_is_bounded_and_trains_exactly(model, plain, monkeypatch
 
 def test_offload_keeps_no_reference_to_the_gradients(model, monkeypatch):
     """A gradient handed to ``offload`` is free once the call returns (on CUDA its memory is kept for the
-    copy by ``record_stream``, not by a Python reference), even while the host add is far behind."""
-    backlog = Backlog(monkeypatch)
+    copy by ``record_stream``, not by a Python reference), even while its host add has not started."""
+    gate, add = threading.Event(), HostGrads._add
+    monkeypatch.setattr(HostGrads, "_add", lambda *args: gate.wait(10) and add(*args))
     blocks = discover_blocks(copy.deepcopy(model))
     grads = HostGrads(HostStore(blocks), torch.device("cpu"), EngineStats(), asynchronous=True)
     alive, ready, expected = [], [], {}
-    for block in range(len(blocks)):
-        spec = blocks[block].params[0]
-        grad = torch.full(spec.shape, float(block + 1))
+
+    def offload(block: int) -> None:
+        grad = torch.full(blocks[block].params[0].shape, float(block + 1))
         expected[block] = grad.clone()
         alive.append(weakref.ref(grad))
         grads.offload(block, {0: grad}, final=True, then=functools.partial(ready.append, block))
-        del grad
+
+    for block in range(MAX_IN_FLIGHT):  # as many as fit without waiting; the worker is held at the gate
+        offload(block)
     gc.collect()
-    assert len(ready) < len(blocks), "the slow host add should still be behind"
-    assert [ref() for ref in alive] == [None] * len(blocks)
+    assert ready == [] and [ref() for ref in alive] == [None] * MAX_IN_FLIGHT
+    gate.set()
+    for block in range(MAX_IN_FLIGHT, len(blocks)):
+        offload(block)
     grads.flush()
-    assert ready == list(range(len(blocks))) and backlog.peak <= MAX_IN_FLIGHT
+    assert ready == list(range(len(blocks)))
     for block, grad in expected.items():
-        stored = blocks[block].views(grads.store.read(block, "grad"))[0]
-        assert torch.equal(stored, grad)
+        assert torch.equal(blocks[block].views(grads.store.read(block, "grad"))[0], grad)
     grads.close()
 
 
