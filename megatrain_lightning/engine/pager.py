@@ -7,7 +7,7 @@ future, free slots are filled ahead of time by one worker thread (on CUDA throug
 whose copies the compute stream waits for by event), and the evicted block is the one needed
 farthest in the future (Belady). The compute thread never waits for a copy on the host: a slot is
 ``ready`` once its copy is queued, and the host buffer the copy reads stays pinned in the store
-until the prefetch worker has seen the copy finish.
+until a worker thread (the prefetcher, or for on-demand loads a copy waiter) has seen it finish.
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ class Pager:
         self._cond = threading.Condition()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-prefetch")
+        # Waits for on-demand copies and unpins their host buffers; never queued behind a prefetch, which
+        # may wait (disk tier) for the room those pins hold.
+        cuda = self._copy_stream is not None
+        self._copy_waiter = ThreadPoolExecutor(1, thread_name_prefix="megatrain-copy-wait") if cuda else None
 
     @property
     def num_slots(self) -> int:
@@ -103,8 +107,8 @@ class Pager:
                 slot.start_load()
             slot.pins += 1
             self._prefetch_ahead()
-        if load_here:  # the wait for the copy to finish, if any, is the worker's
-            self._load(slot, block, self._worker.submit if self._copy_stream is not None else _call)
+        if load_here:  # the wait for the copy to finish, if any, is another thread's
+            self._load(slot, block, self._copy_waiter.submit if self._copy_waiter is not None else _call)
         try:
             result_of(slot.ready)
         except BaseException:  # ``_load`` already forgot the block
@@ -144,6 +148,8 @@ class Pager:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        if self._copy_waiter is not None:
+            self._copy_waiter.shutdown(wait=True)
 
     # -- internals (called with the lock held unless said otherwise) --
 
