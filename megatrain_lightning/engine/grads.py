@@ -5,11 +5,16 @@ sums them into ``param.grad``: within one backward pass, the contributions of a 
 uses (GPT-2's tied embedding and head) are added together first (kind ``"grad_pass"``), and that
 sum is then added to what earlier micro-batches left. The results are bitwise plain PyTorch's.
 On CUDA the copy runs on its own stream into a pinned staging buffer, and a worker thread adds
-it into the accumulation buffer once the copy's event has completed.
+it into the accumulation buffer once the copy's event has completed. At most ``max_in_flight``
+offloads are between their copy and the end of their host add, each in its own staging buffer:
+when the host add falls behind, the backward pass waits instead of piling up staging buffers and
+device gradients (the caching allocator frees those once the copy has read them: ``record_stream``).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,22 +30,32 @@ from megatrain_lightning.telemetry.timeline import TIMELINE
 
 class HostGrads:
     """Host fp32 gradient accumulation. ``asynchronous`` (default: on CUDA) hands each offload to one
-    worker thread; on the CPU the gradients are already on the host and that worker only adds them (a
-    mode for tests of the asynchronous path). ``offload``, ``flush`` and ``clear`` are never called at
-    once: the backward pass (in autograd's thread for the device) and the training loop take turns."""
+    worker thread; on the CPU the compute thread copies the gradients into a staging buffer and that
+    worker only adds them (a mode for tests of the asynchronous path). ``offload``, ``flush`` and
+    ``clear`` are never called at once: the backward pass (in autograd's thread for the device) and the
+    training loop take turns."""
 
     def __init__(
-        self, store: HostStore, device: torch.device, stats: EngineStats, asynchronous: bool | None = None
+        self,
+        store: HostStore,
+        device: torch.device,
+        stats: EngineStats,
+        asynchronous: bool | None = None,
+        max_in_flight: int = 2,
     ) -> None:
         self.store = store
         self.stats = stats
+        self.device = device
         self._present: list[set[int]] = [set() for _ in store.blocks]
         self._consumed: set[int] = set()  # blocks whose sums an update used since ``clear``
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
         asynchronous = cuda if asynchronous is None else asynchronous
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-offload") if asynchronous else None
-        self._staging: dict[torch.dtype, list[Tensor]] = {}
+        # One permit per staging buffer: taken before the copy, given back after the host add.
+        self.max_in_flight = max_in_flight
+        self._room = threading.BoundedSemaphore(max_in_flight)
+        self._staging: dict[torch.dtype, list[Tensor]] = {}  # free buffers (at most max_in_flight per dtype)
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
@@ -65,27 +80,47 @@ class HostGrads:
             self._accumulate(block, grads, final)
             then()
             return
-        if self._stream is None:  # already on the host: nothing to copy
-            self._pending.append(self._worker.submit(self._finish, block, grads, final, then))
-            return
-        dtype = next(iter(grads.values())).dtype
-        staging = self._take_staging(dtype)
+        start = time.perf_counter()
+        self._room.acquire()  # back-pressure: waits while max_in_flight host adds are behind
+        self.stats.offload_wait_s += time.perf_counter() - start
+        try:
+            staging = self._take_staging(next(iter(grads.values())).dtype)
+        except BaseException:
+            self._room.release()
+            raise
+        try:
+            on_host, copied = self._copy_out(block, grads, staging)
+            self._pending.append(
+                self._worker.submit(self._finish, block, on_host, final, then, staging, copied)
+            )
+        except BaseException:
+            self._give_back(staging)
+            raise
+
+    def _copy_out(
+        self, block: int, grads: dict[int, Tensor], staging: Tensor
+    ) -> tuple[dict[int, Tensor], torch.cuda.Event | None]:
+        """Copy ``grads`` into ``staging`` (on CUDA: queued on the offload stream, with the event the worker
+        waits for); return the host views by parameter index."""
         params = self.store.blocks[block].params
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for index, grad in grads.items():
-                p = params[index]
-                staging[p.offset : p.offset + p.numel].view(p.shape).copy_(grad, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
         on_host = {
             i: staging[params[i].offset : params[i].offset + params[i].numel].view(params[i].shape)
             for i in grads
         }
-        # ``grads`` stays referenced until the copy has completed, so the allocator cannot reuse it early.
-        self._pending.append(
-            self._worker.submit(self._finish, block, on_host, final, then, (copied, grads, staging))
-        )
+        if self._stream is None:
+            for index, grad in grads.items():
+                on_host[index].copy_(grad)
+            return on_host, None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for index, grad in grads.items():
+                on_host[index].copy_(grad, non_blocking=True)
+                # The allocator reuses this gradient's memory only after the copy has read it, so no
+                # reference has to outlive this call.
+                grad.record_stream(self._stream)
+            copied = torch.cuda.Event(blocking=True)  # the worker sleeps on it instead of spinning
+            copied.record(self._stream)
+        return on_host, copied
 
     def flush(self) -> None:
         """Wait until every offload issued so far has been added to the accumulation buffers; raise the
@@ -116,18 +151,21 @@ class HostGrads:
         on_host: dict[int, Tensor],
         final: bool,
         then: Callable[[], None],
-        copy: tuple[torch.cuda.Event, dict[int, Tensor], Tensor] | None = None,
+        staging: Tensor,
+        copied: torch.cuda.Event | None,
     ) -> None:
         """In the worker: once the device-to-host copy (if any) is done, add the gradients, then ``then``."""
-        if copy is not None:
-            copied, _, staging = copy  # the device gradients, held until this call returns
-            copied.synchronize()
         try:
+            if copied is not None:
+                copied.synchronize()
             self._accumulate(block, on_host, final)
         finally:
-            if copy is not None:
-                self._staging[staging.dtype].append(staging)
+            self._give_back(staging)
         then()
+
+    def _give_back(self, staging: Tensor) -> None:
+        self._staging[staging.dtype].append(staging)
+        self._room.release()
 
     def _accumulate(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
         with TIMELINE.span("offload"):

@@ -5,12 +5,16 @@ and pins it; ``release`` unpins it, but the copy stays cached until a slot is ne
 another block or the block's weights change (``invalidate``). While the trace predicts the
 future, free slots are filled ahead of time by one worker thread (on CUDA through a copy stream
 whose copies the compute stream waits for by event), and the evicted block is the one needed
-farthest in the future (Belady).
+farthest in the future (Belady). The compute thread never waits for a copy on the host: a slot is
+``ready`` once its copy is queued, and the host buffer the copy reads stays pinned in the store
+until a worker thread (the prefetcher, or for on-demand loads a copy waiter) has seen it finish.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +29,8 @@ from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
+log = logging.getLogger(__name__)
+
 _NEVER = float("inf")
 
 
@@ -33,15 +39,19 @@ class _Slot:
         self.buf = buf
         self.block: int | None = None
         self.pins = 0
-        self.ready: Future | None = None
+        self.ready: Future | None = None  # the copy is queued (the compute stream waits for ``copied``)
+        self.done: Future | None = None  # the load is over: its host buffer released, the slot settled
         self.stale = False
         cuda = buf.is_cuda
-        self.copied = torch.cuda.Event() if cuda else None
+        self.copied = torch.cuda.Event(blocking=True) if cuda else None  # the worker sleeps on it
         self.released = torch.cuda.Event() if cuda else None
 
     @property
     def loading(self) -> bool:
-        return self.ready is not None and not self.ready.done()
+        return self.done is not None and not self.done.done()
+
+    def start_load(self) -> None:
+        self.ready, self.done = Future(), Future()
 
 
 class Pager:
@@ -72,6 +82,10 @@ class Pager:
         self._cond = threading.Condition()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-prefetch")
+        # Waits for on-demand copies and unpins their host buffers; never queued behind a prefetch, which
+        # may wait (disk tier) for the room those pins hold.
+        cuda = self._copy_stream is not None
+        self._copy_waiter = ThreadPoolExecutor(1, thread_name_prefix="megatrain-copy-wait") if cuda else None
 
     @property
     def num_slots(self) -> int:
@@ -90,11 +104,11 @@ class Pager:
             load_here = slot is None
             if load_here:
                 slot = self._claim(block, _NEVER, demand=True)
-                slot.ready = Future()
+                slot.start_load()
             slot.pins += 1
             self._prefetch_ahead()
-        if load_here:
-            self._load(slot, block, slot.ready)
+        if load_here:  # the wait for the copy to finish, if any, is another thread's
+            self._load(slot, block, self._copy_waiter.submit if self._copy_waiter is not None else _call)
         try:
             result_of(slot.ready)
         except BaseException:  # ``_load`` already forgot the block
@@ -134,6 +148,8 @@ class Pager:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        if self._copy_waiter is not None:
+            self._copy_waiter.shutdown(wait=True)
 
     # -- internals (called with the lock held unless said otherwise) --
 
@@ -182,41 +198,74 @@ class Pager:
             slot = self._claim(block, uses[block], demand=False)
             if slot is None:
                 break
-            slot.ready = Future()
-            self._worker.submit(self._load, slot, block, slot.ready)
+            slot.start_load()
+            self._worker.submit(self._load, slot, block, _call)
 
-    def _load(self, slot: _Slot, block: int, ready: Future) -> None:
-        """Copy ``block``'s master weights into ``slot`` (lock not held)."""
+    def _load(self, slot: _Slot, block: int, finish: Callable[..., object]) -> None:
+        """Queue the copy of ``block``'s master weights into ``slot`` and resolve ``slot.ready``; then
+        ``finish(self._finish_load, ...)`` (inline, or in the worker) (lock not held)."""
+        unpin = contextlib.ExitStack()
         try:
             self._wait_for_update(block)
-            with self.store.pinned(block, "param") as src:
-                dst = slot.buf[: src.numel()]
-                start = time.perf_counter()
-                if self._copy_stream is not None:
-                    with torch.cuda.stream(self._copy_stream):
-                        self._copy_stream.wait_event(slot.released)
-                        dst.copy_(src, non_blocking=True)
-                        slot.copied.record(self._copy_stream)
-                    slot.copied.synchronize()  # the host buffer stays pinned until the copy has read it
-                else:
-                    dst.copy_(src)
-                end = time.perf_counter()
-                TIMELINE.record("fetch", start, end)
-                self.stats.h2d_s += end - start
-                self.stats.h2d_bytes += src.numel() * src.element_size()
-            ready.set_result(None)
+            src = unpin.enter_context(self.store.pinned(block, "param"))
+            start = time.perf_counter()
+            dst = slot.buf[: src.numel()]
+            if self._copy_stream is None:
+                dst.copy_(src)
+            else:
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(slot.released)
+                    dst.copy_(src, non_blocking=True)
+                    slot.copied.record(self._copy_stream)
         except BaseException as err:  # surfaces in the waiting compute thread
-            ready.set_exception(err)
+            unpin.close()
+            slot.ready.set_exception(err)
+            self._settle(slot, block, err, forget=True)
+            return
+        slot.ready.set_result(None)
+        finish(self._finish_load, slot, block, unpin, start, src.numel() * src.element_size())
+
+    def _finish_load(
+        self, slot: _Slot, block: int, unpin: contextlib.ExitStack, start: float, nbytes: int
+    ) -> None:
+        """Wait until the copy has read the host buffer, then release it and settle the slot."""
+        try:
+            with unpin:  # the host buffer stays pinned until the copy has read it
+                if slot.copied is not None:
+                    slot.copied.synchronize()
+        except BaseException as err:  # a device error: sticky, the compute stream's next call raises it too
+            log.error(f"megatrain: copying block {block} to the device failed: {err!r}")
+            self._settle(slot, block, err)
+            return
+        end = time.perf_counter()
+        TIMELINE.record("fetch", start, end)
+        self.stats.h2d_s += end - start
+        self.stats.h2d_bytes += nbytes
+        self._settle(slot, block)
+
+    def _settle(
+        self, slot: _Slot, block: int, error: BaseException | None = None, forget: bool = False
+    ) -> None:
+        """End a load (``error``: how it failed; ``forget``: its copy was never queued); a stale block's
+        copy is dropped."""
         with self._cond:
-            if ready.exception() is not None and self._resident.get(block) is slot:
+            if forget and self._resident.get(block) is slot:
                 # Surfaced to whoever waits for it now; later acquires load again (nothing stale: the
                 # retry succeeds with the right weights or fails again), so no failure outlives its run.
                 del self._resident[block]
                 slot.block = None
             if slot.stale:
                 slot.block, slot.stale = None, False
+            if error is None:
+                slot.done.set_result(None)
+            else:
+                slot.done.set_exception(error)
             self._cond.notify_all()
 
     def _note_peak(self) -> None:
         held = sum(self.store.blocks[s.block].numel for s in self._slots if s.block is not None)
         self.stats.peak_slot_bytes = max(self.stats.peak_slot_bytes, held * self.dtype.itemsize)
+
+
+def _call(function: Callable[..., object], *args: object) -> None:
+    function(*args)

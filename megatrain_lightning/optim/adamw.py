@@ -198,6 +198,9 @@ class CPUAdamW(Optimizer):
         """Run ``closure`` (forward + backward; blocks may update during it), then update the rest."""
         self._opt_called = True  # what an LR scheduler's step-order check looks for
         self._hparams = [self._snapshot(group) for group in self.param_groups]
+        # An asynchronous offload of an earlier micro-batch that is still running would otherwise see the
+        # step begun and submit its block's update with part of the gradient.
+        self.grads.flush()
         self._in_step = True
         try:
             loss = None

@@ -320,6 +320,7 @@ def to_lightning(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
     _check_fits_in_ram(ckpt, copies)
     state = ckpt.lightning_state()
     state.pop("megatrain_rng", None)
+    state.pop("megatrain_cuda_rng", None)
     weights = {name: read_tensor(entry) for name, entry in ckpt.weights().entries.items()}
     state_dict = dict(weights)
     state_dict.update({alias: weights[name] for alias, name in ckpt.manifest["aliases"].items()})

@@ -15,6 +15,7 @@ class EngineStats:
     d2h_bytes: int = 0  # gradient bytes copied device -> host
     optimizer_s: float = 0.0  # time spent in block updates (worker threads)
     optimizer_wait_s: float = 0.0  # compute-thread time spent waiting for block updates
+    offload_wait_s: float = 0.0  # compute-thread time spent waiting for a gradient offload to finish
     trace_deviations: int = 0  # passes that left the recorded block order
     disk_read_bytes: int = 0  # disk tier: bytes read from offload_dir
     disk_write_bytes: int = 0
