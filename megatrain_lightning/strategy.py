@@ -372,26 +372,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         assert engine is not None
         engine.wait_all()
         state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        state |= self._rng_states()
+        state |= checkpointing.rng_states(self.root_device)
         optimizer = engine.optimizer if checkpoint.get("optimizer_states") else None
         if not self._checkpoint_size_logged:
             self._checkpoint_size_logged = True
             checkpointing.announce_size(os.fspath(filepath), engine, optimizer)
         checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer)
-
-    def _rng_states(self) -> dict[str, torch.Tensor]:
-        """The generators a resumed run continues from: the CPU's and, on CUDA, the root device's (dropout
-        there draws from it)."""
-        states = {"megatrain_rng": torch.get_rng_state()}
-        if self.root_device.type == "cuda":
-            states["megatrain_cuda_rng"] = torch.cuda.get_rng_state(self.root_device)
-        return states
-
-    def _restore_rng(self, checkpoint: Mapping[str, Any]) -> None:
-        torch.set_rng_state(checkpoint["megatrain_rng"])
-        cuda_state = checkpoint.get("megatrain_cuda_rng")  # absent when saved on the CPU or by older versions
-        if cuda_state is not None and self.root_device.type == "cuda":
-            torch.cuda.set_rng_state(cuda_state, self.root_device)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -410,7 +396,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if ckpt is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         checkpointing.load_weights(ckpt, self.engine, self.lightning_module)
-        self._restore_rng(checkpoint)
+        checkpointing.restore_rng(checkpoint, self.root_device)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

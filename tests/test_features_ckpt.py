@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import LossRecorder, Run, UserLM, assert_same_training, tiny_model, token_batches
+from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer, tiny_model, token_batches
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
@@ -49,18 +49,10 @@ def _loader(batches: list[Any]) -> torch.utils.data.DataLoader:
 
 
 def _trainer(strategy: Any, root: Any, callbacks: list[L.Callback] = (), **kwargs: Any) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        default_root_dir=root,
-    )
     strategy = MegaTrainStrategy() if strategy == "megatrain" else strategy
-    return L.Trainer(strategy=strategy, callbacks=list(callbacks), **(defaults | kwargs))
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    options = dict(limit_val_batches=None, enable_checkpointing=checkpointing, default_root_dir=root)
+    return quiet_trainer(strategy, steps=-1, callbacks=list(callbacks), **(options | kwargs))
 
 
 def _fit(

@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import LossRecorder
+from conftest import LossRecorder, quiet_trainer
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.data import TextDataModule
@@ -235,18 +235,7 @@ def _first_losses(make_module, strategy: str, steps: int = 2) -> list[float]:
     L.seed_everything(7)
     module = make_module()
     recorder = LossRecorder()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[recorder],
-    )
+    trainer = quiet_trainer(strategy, steps, [recorder])
     trainer.fit(module, datamodule=TextDataModule(seq_len=16, batch_size=2))
     return recorder.losses
 

@@ -142,7 +142,7 @@ class CPUAdamW(Optimizer):
         self._quantized = [
             b.large_numel if self._bits and (b.repeated or compress_all_blocks) else 0 for b in store.blocks
         ]
-        self._define_state_kinds()
+        state_dict.define_kinds(store, self._quantized, self._bits)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does; also later, e.g. ``BaseFinetuning`` unfreezing a layer) and plan
@@ -162,21 +162,6 @@ class CPUAdamW(Optimizer):
             self._order.append((block, index))
         for block, indices in by_block.items():
             self._plan[block].append((group, indices))
-
-    def _define_state_kinds(self) -> None:
-        bits, q = self._bits, self._quantized
-        for kind in FP32_MOMENTS:
-            self.store.define_kind(kind, torch.float32, lambda b: b.numel - q[b.index])
-        if bits:
-            code = lambda b: codecs.code_bytes(q[b.index], bits)  # noqa: E731
-            self.store.define_kind("m_codes", torch.uint8, code)
-            self.store.define_kind("v_codes", torch.uint8, code)
-            self.store.define_kind(
-                "m_scales", torch.float32, lambda b: codecs.num_scales(q[b.index], "m", bits)
-            )
-            self.store.define_kind(
-                "v_scales", torch.float32, lambda b: codecs.num_scales(q[b.index], "v", bits)
-            )
 
     @property
     def state_kinds(self) -> tuple[str, ...]:

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from megatrain_lightning.optim import codecs
+from megatrain_lightning.store.host import HostStore
+
 if TYPE_CHECKING:
     from megatrain_lightning.optim.adamw import CPUAdamW
 
@@ -97,3 +100,20 @@ def load(optimizer: CPUAdamW, state_dict: dict[str, Any]) -> None:
         for kind in FP32_MOMENTS:
             with optimizer.store.pinned(block, kind, write=True) as flat:
                 optimizer.store.blocks[block].views(flat)[index].copy_(saved[kind])
+
+
+def define_kinds(store: HostStore, quantized: list[int], bits: int | None) -> None:
+    """The store kinds holding the moments: fp32 ``exp_avg``/``exp_avg_sq`` past each block's quantized
+    region (``quantized[block]`` elements), and with ``bits`` the codes and scales before it."""
+    for kind in FP32_MOMENTS:
+        store.define_kind(kind, torch.float32, lambda b: b.numel - quantized[b.index])
+    if bits:
+        code = lambda b: codecs.code_bytes(quantized[b.index], bits)  # noqa: E731
+        store.define_kind("m_codes", torch.uint8, code)
+        store.define_kind("v_codes", torch.uint8, code)
+        store.define_kind(
+            "m_scales", torch.float32, lambda b: codecs.num_scales(quantized[b.index], "m", bits)
+        )
+        store.define_kind(
+            "v_scales", torch.float32, lambda b: codecs.num_scales(quantized[b.index], "v", bits)
+        )

@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -394,3 +395,19 @@ def called_by_checkpoint_connector() -> bool:
 
     caller = sys._getframe(2).f_locals.get("self")  # 0: here, 1: lightning_module_state_dict
     return isinstance(caller, _CheckpointConnector)
+
+
+def rng_states(device: torch.device) -> dict[str, Tensor]:
+    """The generators a resumed run continues from: the CPU's and, on CUDA, the device's (dropout there
+    draws from it)."""
+    states = {"megatrain_rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["megatrain_cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def restore_rng(checkpoint: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(checkpoint["megatrain_rng"])
+    cuda_state = checkpoint.get("megatrain_cuda_rng")  # absent when saved on the CPU or by older versions
+    if cuda_state is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_state, device)
