@@ -40,10 +40,6 @@ class ScheduledLM(UserLM):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _model(seed: int) -> torch.nn.Module:
-    return tiny_model("llama", seed=seed, use_cache=False)  # TEMP until the engine's recompute drops caches
-
-
 def _loader(batches: list[Any]) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(batches, batch_size=None)
 
@@ -75,7 +71,7 @@ def _fit(
     """Fit a fresh ``ScheduledLM`` (its initial weights are overwritten when resuming) on ``TRAIN``."""
     recorder = LossRecorder()
     trainer = _trainer(strategy, root, [recorder, *callbacks], max_steps=max_steps, **kwargs)
-    module = ScheduledLM(_model(seed=0 if ckpt_path is None else 7))
+    module = ScheduledLM(tiny_model("llama", seed=0 if ckpt_path is None else 7))
     torch.manual_seed(1)
     trainer.fit(module, _loader(TRAIN), _loader(VAL) if val else None, ckpt_path=ckpt_path)
     return Run(module, trainer, recorder.losses)
@@ -133,8 +129,8 @@ def test_load_from_checkpoint_reads_a_megatrain_checkpoint(trained):
     paged, path = trained["megatrain"]
     assert "open_checkpoint" in Path(path, "README.txt").read_text()  # found next to the data
     with pytest.raises(IsADirectoryError):  # why the one-liner exists
-        ScheduledLM.load_from_checkpoint(path, model=_model(seed=7))
-    loaded = ScheduledLM.load_from_checkpoint(open_checkpoint(path), model=_model(seed=7))
+        ScheduledLM.load_from_checkpoint(path, model=tiny_model("llama", seed=7))
+    loaded = ScheduledLM.load_from_checkpoint(open_checkpoint(path), model=tiny_model("llama", seed=7))
     _assert_close(paged.module.state_dict(), loaded.state_dict(), exact=True)
 
 
@@ -224,7 +220,7 @@ def test_compressed_megatrain_refuses_fp32_moments_before_training(trained, tmp_
 
 def test_load_state_dict_after_setup(trained, tmp_path):
     plain = trained["auto"][0].module
-    module = ScheduledLM(_model(seed=7))
+    module = ScheduledLM(tiny_model("llama", seed=7))
     trainer = _trainer("megatrain", tmp_path)
     before = trainer.validate(module, _loader(VAL), verbose=False)[0]["val_loss"]
     result = module.load_state_dict(plain.state_dict())
