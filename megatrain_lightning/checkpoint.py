@@ -288,7 +288,11 @@ def open_checkpoint(path: str | os.PathLike) -> io.BytesIO:
         torch.load(megatrain_lightning.open_checkpoint(path), weights_only=True)
 
     The model and optimizer state must fit in RAM twice (the dict and its serialized bytes); otherwise
-    use :func:`convert_checkpoint`, or ``megatrain export`` for the weights alone."""
+    use :func:`convert_checkpoint`, or ``megatrain export`` for the weights alone. A single-file
+    checkpoint (the default strategy's) is read as it is, so the same line serves both."""
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return io.BytesIO(f.read())
     buffer = io.BytesIO()
     torch.save(to_lightning(path, copies=2), buffer)
     buffer.seek(0)

@@ -123,6 +123,8 @@ def test_open_checkpoint_is_the_default_strategys_checkpoint(trained):
             assert (optimizer["state"][i][moment] - state[moment]).abs().max() <= 1e-6
     for key in ("lr_schedulers", "loops", "global_step", "epoch"):
         assert got[key] == expected[key], key
+    # The same line reads the default strategy's single file.
+    assert torch.load(open_checkpoint(plain_path), weights_only=True)["global_step"] == 3
 
 
 def test_load_from_checkpoint_reads_a_megatrain_checkpoint(trained):
