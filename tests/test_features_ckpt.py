@@ -19,6 +19,7 @@ import megatrain_lightning
 from megatrain_lightning import MegaTrainStrategy, convert_checkpoint, open_checkpoint
 from megatrain_lightning.checkpoint import CheckpointError, is_checkpoint_dir
 from megatrain_lightning.cli import main as cli_main
+from megatrain_lightning.optim import codecs
 
 TRAIN = token_batches(3)  # one epoch: three optimizer steps
 VAL = token_batches(2, seed=1)
@@ -213,11 +214,28 @@ def test_megatrain_resumes_a_default_strategy_checkpoint(trained, tmp_path, tier
     assert_same_training(plain, paged)
 
 
-def test_compressed_megatrain_refuses_fp32_moments_before_training(trained, tmp_path):
-    strategy = MegaTrainStrategy(optimizer_compression="int8")
-    with pytest.raises(MisconfigurationException, match="optimizer_compression='none'"):
-        _fit(strategy, tmp_path, max_steps=5, ckpt_path=trained["auto"][1])
-    assert strategy.lightning_module.trainer.global_step == 3  # restored, nothing trained
+def test_compressed_megatrain_resumes_a_default_strategy_checkpoint(trained, tmp_path):
+    path = trained["auto"][1]
+    # Restored and saved again without a step: the fp32 moments went through int8 within the codec's bound.
+    restored = _fit(MegaTrainStrategy(optimizer_compression="int8"), tmp_path / "restored", 3, ckpt_path=path)
+    assert restored.losses == []
+    restored.trainer.save_checkpoint(tmp_path / "int8.ckpt")
+    got = torch.load(open_checkpoint(tmp_path / "int8.ckpt"), weights_only=True)["optimizer_states"][0]
+    expected = torch.load(path, weights_only=True)["optimizer_states"][0]
+    assert got["state"].keys() == expected["state"].keys()
+    quantized = 0
+    for i, state in expected["state"].items():
+        assert got["state"][i]["step"] == state["step"]
+        for moment, kind in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            error = (got["state"][i][moment] - state[moment]).abs()
+            assert (error <= codecs.error_bound(state[moment], kind, 8).view_as(error)).all(), (i, moment)
+            quantized += bool(error.any())
+    assert quantized > 0  # the decoder layers' large weights have int8 moments
+    # Training on: the first loss is the plain run's (same weights), the next ones stay close.
+    plain = _fit("auto", tmp_path / "auto", max_steps=5, ckpt_path=path)
+    paged = _fit(MegaTrainStrategy(optimizer_compression="int8"), tmp_path / "paged", 5, ckpt_path=path)
+    assert abs(paged.losses[0] - plain.losses[0]) <= 1e-6 * plain.losses[0]
+    assert abs(paged.losses[1] - plain.losses[1]) <= 1e-3 * plain.losses[1]
 
 
 def test_load_state_dict_after_setup(trained, tmp_path):
