@@ -7,14 +7,15 @@ and every ``Trainer`` argument (``--trainer.*``), from flags or ``--config`` YAM
     megatrain fit --trainer.strategy=megatrain_lightning.MegaTrainStrategy --trainer.strategy.max_vram_gb=2
     megatrain plan --model 7b --vram 80 --ram 512 --disk 4000
 
-``plan``, ``export`` and ``convert`` are not ``Trainer`` methods, so a small dispatcher routes them before
-LightningCLI parses.
+``plan``, ``export`` and ``convert`` are not ``Trainer`` methods: :data:`COMMANDS` routes them before
+LightningCLI parses, and ``megatrain --help`` lists them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -25,10 +26,8 @@ from megatrain_lightning.hf import export_hf
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.planner import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, format_plan, plan_for
 
-_DESCRIPTION = (
-    "Train Hugging Face causal LMs with Lightning and the megatrain strategy. "
-    "Also: `megatrain plan --help` (will a model fit this machine?)."
-)
+# The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.
+DEFAULT_STRATEGY = {"class_path": "megatrain_lightning.MegaTrainStrategy"}
 
 
 def lightning_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:
@@ -38,8 +37,9 @@ def lightning_cli(args: list[str] | None = None, run: bool = True) -> LightningC
         TextDataModule,
         args=args,
         run=run,
+        trainer_defaults={"strategy": DEFAULT_STRATEGY},
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": _DESCRIPTION},
+        parser_kwargs={"description": _description()},
     )
 
 
@@ -66,13 +66,18 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(argv: list[str]) -> None:
-    """``megatrain plan``: print the planner's table."""
-    a = plan_parser().parse_args(argv)
+    """``megatrain plan``: print the planner's table; a model it cannot read is a one-line usage error."""
+    parser = plan_parser()
+    a = parser.parse_args(argv)
     machine = Machine(a.vram, a.ram, a.disk, a.pcie_gbps, a.disk_gbps, a.tflops)
     workload = Workload(
         a.tokens_per_step, a.micro_batch_tokens, a.compute_dtype, not a.no_activation_checkpointing
     )
-    print(format_plan(plan_for(a.model, machine, a.compression, workload)))
+    try:
+        plan = plan_for(a.model, machine, a.compression, workload)
+    except (ValueError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    print(format_plan(plan))
 
 
 def export_main(argv: list[str]) -> None:
@@ -100,15 +105,28 @@ def convert_main(argv: list[str]) -> None:
     print(f"wrote {args.out}")
 
 
+# Subcommands that are not Trainer methods: name -> (function of the remaining arguments, one-line help).
+COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
+    "plan": (plan_main, "will a model fit this machine: memory, megatrain's settings, a step-time bound"),
+    "export": (export_main, "write a megatrain checkpoint as a Hugging Face save_pretrained directory"),
+    "convert": (convert_main, "write a megatrain checkpoint as a standard single-file Lightning checkpoint"),
+}
+
+
+def _description() -> str:
+    others = "; ".join(f"{name}: {help_}" for name, (_, help_) in COMMANDS.items())
+    return (
+        "Train Hugging Face causal LMs with Lightning and the megatrain strategy (the default "
+        f"`--trainer.strategy`). Lightning's subcommands below; also {others}. "
+        f"`megatrain SUBCOMMAND --help` for each ({', '.join(COMMANDS)} too)."
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point; ``argv`` defaults to ``sys.argv[1:]`` (LightningCLI reads it itself then)."""
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["plan"]:
-        plan_main(args[1:])
-    elif args[:1] == ["export"]:
-        export_main(args[1:])
-    elif args[:1] == ["convert"]:
-        convert_main(args[1:])
+    if args and args[0] in COMMANDS:
+        COMMANDS[args[0]][0](args[1:])
     else:
         lightning_cli(argv)
 

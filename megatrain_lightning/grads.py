@@ -16,22 +16,29 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from megatrain_lightning.futures import result_of
+from megatrain_lightning.futures import fresh_copy
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore, aligned_empty
 from megatrain_lightning.timeline import TIMELINE
 
 
 class HostGrads:
-    def __init__(self, store: HostStore, device: torch.device, stats: EngineStats) -> None:
+    """Host fp32 gradient accumulation. ``asynchronous`` (default: on CUDA) hands each offload to one worker
+    thread; on the CPU the gradients are already on the host and that worker only adds them (a mode for
+    tests of the asynchronous path). Only the compute thread calls ``offload``, ``flush`` and ``clear``."""
+
+    def __init__(
+        self, store: HostStore, device: torch.device, stats: EngineStats, asynchronous: bool | None = None
+    ) -> None:
         self.store = store
         self.stats = stats
         self._present: list[set[int]] = [set() for _ in store.blocks]
-        self._cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-offload") if self._cuda else None
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        asynchronous = cuda if asynchronous is None else asynchronous
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-offload") if asynchronous else None
         self._staging: dict[torch.dtype, list[Tensor]] = {}
-        self._last: Future | None = None
+        self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
     def present(self, block: int) -> list[int]:
@@ -43,9 +50,12 @@ class HostGrads:
 
         ``final``: no further use of ``block`` in this backward pass will contribute gradients.
         """
-        if not self._cuda:
+        if self._worker is None:
             self._accumulate(block, grads, final)
             then()
+            return
+        if self._stream is None:  # already on the host: nothing to copy
+            self._pending.append(self._worker.submit(self._finish, block, grads, final, then))
             return
         dtype = next(iter(grads.values())).dtype
         staging = self._take_staging(dtype)
@@ -62,31 +72,49 @@ class HostGrads:
             for i in grads
         }
         # ``grads`` stays referenced until the copy has completed, so the allocator cannot reuse it early.
-        self._last = self._worker.submit(
-            self._finish, block, grads, on_host, copied, staging, dtype, final, then
+        self._pending.append(
+            self._worker.submit(self._finish, block, on_host, final, then, (copied, grads, staging))
         )
 
     def flush(self) -> None:
-        """Wait until every offload issued so far has been added to the accumulation buffers."""
-        if self._last is not None:
-            result_of(self._last)
+        """Wait until every offload issued so far has been added to the accumulation buffers; raise the
+        first that failed (the sums are then incomplete: nothing may be updated from them)."""
+        pending, self._pending = self._pending, []
+        failures = [failure for failure in (future.exception() for future in pending) if failure is not None]
+        if failures:
+            self._pass_sums.clear()
+            raise fresh_copy(failures[0]) from failures[0]
         for block in list(self._pass_sums):
             self._fold(block)
 
     def clear(self) -> None:
-        self.flush()
-        for present in self._present:
-            present.clear()
+        try:
+            self.flush()
+        finally:
+            for present in self._present:
+                present.clear()
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
-    def _finish(self, block, grads, on_host, copied, staging, dtype, final, then) -> None:
-        copied.synchronize()
-        del grads
-        self._accumulate(block, on_host, final)
-        self._staging[dtype].append(staging)
+    def _finish(
+        self,
+        block: int,
+        on_host: dict[int, Tensor],
+        final: bool,
+        then: Callable[[], None],
+        copy: tuple[torch.cuda.Event, dict[int, Tensor], Tensor] | None = None,
+    ) -> None:
+        """In the worker: once the device-to-host copy (if any) is done, add the gradients, then ``then``."""
+        if copy is not None:
+            copied, _, staging = copy  # the device gradients, held until this call returns
+            copied.synchronize()
+        try:
+            self._accumulate(block, on_host, final)
+        finally:
+            if copy is not None:
+                self._staging[staging.dtype].append(staging)
         then()
 
     def _accumulate(self, block: int, grads: dict[int, Tensor], final: bool) -> None:

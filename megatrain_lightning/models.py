@@ -8,6 +8,7 @@ names, shapes and ``ndim`` (e.g. for the optimizer's weight-decay groups).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from torchmetrics.text import Perplexity
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from megatrain_lightning.hf import from_pretrained
+from megatrain_lightning.init import InitRecorder
+from megatrain_lightning.meta import building_on_meta
 
 TINY_ARCHS = ("llama", "gpt2", "qwen2_moe", "mixtral")
 BYTE_VOCAB = 256
@@ -146,6 +149,18 @@ def llama_config(size: str, **overrides: Any) -> PretrainedConfig:
     return LlamaConfig(**kwargs)
 
 
+def plain_container(value: Any) -> Any:
+    """``value`` with omegaconf containers (what Hydra passes for ``betas: [0.9, 0.95]``) made plain
+    lists and dicts, which a checkpoint loaded with ``torch.load(weights_only=True)`` may hold."""
+    if "omegaconf" not in sys.modules:
+        return value
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
 def resolve_config(model: str | Mapping[str, Any] | PretrainedConfig) -> tuple[PretrainedConfig, str | None]:
     """Return ``(config, pretrained_dir)`` for an arch name, a model directory, a dict or a config.
 
@@ -230,6 +245,8 @@ class CausalLMModule(L.LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.save_hyperparameters(ignore=["model"])
+        for key, value in self.hparams.items():  # checkpoints load with weights_only=True
+            self.hparams[key] = plain_container(value)
         self.model: PreTrainedModel | None = None
         self.pretrained_path: str | None = None
         if isinstance(model, PreTrainedModel):
@@ -247,12 +264,16 @@ class CausalLMModule(L.LightningModule):
 
         Under megatrain parameters are created on meta and the strategy fills its store block by
         block: from the shards of a model directory (streamed, never the whole model in memory),
-        or with the model's own initialization.
+        or with the values a plain build draws from the same seed (see :mod:`megatrain_lightning.init`).
         """
         if self.model is not None:
             return
         if self.pretrained_path is not None:
             self.model = from_pretrained(self.pretrained_path)
+        elif building_on_meta():  # the store is filled later: with what a plain build would draw
+            with InitRecorder() as recorder:
+                self.model = AutoModelForCausalLM.from_config(self.config)
+            recorder.install(self.model)
         else:
             self.model = AutoModelForCausalLM.from_config(self.config)
 

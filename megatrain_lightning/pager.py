@@ -95,7 +95,13 @@ class Pager:
             self._prefetch_ahead()
         if load_here:
             self._load(slot, block, slot.ready)
-        result_of(slot.ready)
+        try:
+            result_of(slot.ready)
+        except BaseException:  # ``_load`` already forgot the block
+            with self._cond:
+                slot.pins -= 1
+                self._cond.notify_all()
+            raise
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
         self.stats.fetch_wait_s += time.perf_counter() - start
@@ -202,6 +208,11 @@ class Pager:
         except BaseException as err:  # surfaces in the waiting compute thread
             ready.set_exception(err)
         with self._cond:
+            if ready.exception() is not None and self._resident.get(block) is slot:
+                # Surfaced to whoever waits for it now; later acquires load again (nothing stale: the
+                # retry succeeds with the right weights or fails again), so no failure outlives its run.
+                del self._resident[block]
+                slot.block = None
             if slot.stale:
                 slot.block, slot.stale = None, False
             self._cond.notify_all()

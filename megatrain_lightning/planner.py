@@ -283,15 +283,17 @@ def _megatrain_row(
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
     block = MASTER_BYTES * shape.largest_block  # one kind (weights, gradient, m or v) of the largest block
     num_slots = min(max(int((vram - act) // slot), 0), shape.num_blocks)
-    gpu = MIN_SLOTS * slot + act
+    gpu_need = MIN_SLOTS * slot + act
     if store <= ram:
-        tier, cache, host, disk_need = "host", store, store, 0.0
+        tier, cache, host_need, disk_need = "host", store, store, 0.0
     else:
         tier, disk_need = "disk", store
         num_slots = min(num_slots, max(int(ram // block) - WORKING_BLOCKS, 0))
         cache = min(ram, store)
-        host = (MIN_SLOTS + WORKING_BLOCKS) * block
-    fits = num_slots >= 1 and gpu <= vram and host <= ram and disk_need <= disk
+        host_need = (MIN_SLOTS + WORKING_BLOCKS) * block
+    fits = num_slots >= 1 and gpu_need <= vram and host_need <= ram and disk_need <= disk
+    # What the chosen settings use; where they do not fit, the least megatrain needs.
+    gpu, host = (num_slots * slot + act, cache) if fits else (gpu_need, host_need)
     micro = workload.micro_batches
     cd = DTYPE_BYTES[workload.compute_dtype]
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
@@ -363,6 +365,17 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
+LEGEND = (
+    "GPU GB: GPU memory used: plain AdamW fp32 weights, gradients, Adam state and activations; ZeRO-Offload",
+    "  weights in the compute dtype and activations; megatrain its slots (slots x GB per slot) and activations.",
+    "host GB: RAM used: ZeRO-Offload fp32 weights and Adam state; megatrain the store and gradients (host",
+    "  tier) or their cache (disk tier), = cache GB. disk GB: the disk tier's files.",
+    "fits: within the machine less the reserve; for megatrain, at its least (2 slots, the blocks in use).",
+    "  A row that does not fit shows that least need. tier, slots, prefetch, cache GB: megatrain's settings.",
+    "step >= s: a lower bound on one optimizer step, set by the slowest of compute, link and disk (bound).",
+)
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a plain-text table, with one line each on the model, the machine and the workload."""
     m, mach, w = plan.model, plan.machine, plan.workload
@@ -416,6 +429,7 @@ def format_plan(plan: Plan) -> str:
         lines.append("  ".join(cells))
         if i == 0:
             lines.append("  ".join("-" * wd for wd in widths))
+    lines += ["", *LEGEND]
     best = recommend(plan)
     lines.append("")
     if best is None or best.settings is None:
@@ -425,6 +439,7 @@ def format_plan(plan: Plan) -> str:
         where = "in host RAM" if s.tier == "host" else f"on disk, {_gb(s.cache_gb)} GB cached in RAM"
         lines.append(
             f"recommended: {best.method} with the store {where}, {s.num_slots} slots "
-            f"({_gb(s.max_vram_gb)} GB), prefetch depth {s.prefetch_depth}"
+            f"({_gb(s.max_vram_gb)} GB; {_gb(best.gpu_gb)} GB on the GPU with activations), "
+            f"prefetch depth {s.prefetch_depth}"
         )
     return "\n".join(lines)

@@ -66,10 +66,14 @@ class MegaTrainPrecision(Precision):
         else:
             yield
 
+    # Gradients live in the store: the optimizer clips them. ``LightningModule.clip_gradients`` (manual
+    # optimization) passes the ``LightningOptimizer`` wrapper, a copy of the optimizer's ``__dict__``
+    # on which the clip coefficient would be set and lost: clip on the optimizer it wraps.
+
     @override
     def clip_grad_by_value(self, optimizer: Steppable, clip_val: int | float) -> None:
-        optimizer.clip_grad_value_(clip_val)
+        getattr(optimizer, "_optimizer", optimizer).clip_grad_value_(clip_val)
 
     @override
     def clip_grad_by_norm(self, optimizer: Steppable, clip_val: int | float) -> None:
-        optimizer.clip_grad_norm_(clip_val)
+        getattr(optimizer, "_optimizer", optimizer).clip_grad_norm_(clip_val)

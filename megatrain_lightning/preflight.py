@@ -38,6 +38,40 @@ def prepare_offload_dir(path: str) -> str:
     return path
 
 
+def check_offload_dir(path: str) -> None:
+    """What :func:`prepare_offload_dir` would refuse, found without creating anything: ``path`` is not a
+    directory, or the folder it would be created in is not writable."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise MisconfigurationException(f"`offload_dir={path!r}` exists and is not a directory.")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise MisconfigurationException(
+            f"`offload_dir={path!r}` cannot be created or written in {existing!r}; choose another folder."
+        )
+
+
+def missing_dirs(path: str) -> list[str]:
+    """The folders that creating ``path`` makes, innermost first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_empty_dirs(dirs: list[str]) -> None:
+    """Remove each of ``dirs`` (innermost first) that is empty, so a run leaves no empty folder."""
+    for path in dirs:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
 def check_disk_space(path: str, need_bytes: int) -> None:
     want = int(need_bytes * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
     free = free_disk_bytes(path)

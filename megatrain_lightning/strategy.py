@@ -6,7 +6,8 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Generator, Iterable, Mapping
+import weakref
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,24 +17,37 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as checkpointing
 from megatrain_lightning.blocks import Block
 from megatrain_lightning.checkpoint import hf_model
-from megatrain_lightning.disk import region_bytes
+from megatrain_lightning.disk import DiskStore, region_bytes
 from megatrain_lightning.engine import Engine, EngineConfig
 from megatrain_lightning.io import IOConfig
 from megatrain_lightning.meta import init_on_meta
 from megatrain_lightning.optim import CPUAdamW
-from megatrain_lightning.planner import Machine, ModelShape, Settings, Workload, plan_for
+from megatrain_lightning.optim.adamw import rebind_scheduler
+from megatrain_lightning.planner import (
+    MASTER_BYTES,
+    STATE_BYTES,
+    Machine,
+    ModelShape,
+    Settings,
+    Workload,
+    plan_for,
+)
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.preflight import (
     available_ram_bytes,
     check_disk_space,
     check_host_ram,
+    check_offload_dir,
+    missing_dirs,
     prepare_offload_dir,
+    remove_empty_dirs,
 )
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import can_pin_memory
@@ -56,14 +70,21 @@ def _budget(name: str, value: Any) -> float | None:
 
 
 def _reads_final_gradients(trainer: pl.Trainer) -> bool:
-    """Whether user code sees the summed gradients before the optimizer step (clipping, or gradient
-    norms in ``on_before_optimizer_step``): then no block may be updated before the backward ends."""
+    """Whether user code may see or change the summed gradients before the optimizer step (clipping,
+    gradient norms in ``on_before_optimizer_step``): then no block is updated before the backward ends."""
     module = trainer.lightning_module
     return (
-        is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+        # Manual optimization may clip (`self.clip_gradients`) after a backward inside `opt.step(closure)`.
+        not module.automatic_optimization
+        or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
         or is_overridden("on_before_optimizer_step", module, pl.LightningModule)
         or any(is_overridden("on_before_optimizer_step", c, pl.Callback) for c in trainer.callbacks)
     )
+
+
+def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
+    cleanup()  # the store's files first (a no-op when its own finalizer ran already)
+    remove_empty_dirs(dirs)
 
 
 class MegaTrainStrategy(SingleDeviceStrategy):
@@ -147,10 +168,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.optimizer_threads = optimizer_threads
         self.io = IOConfig(chunk_bytes=io_chunk_mb << 20, threads=io_threads)
         if self.offload_dir is not None and self.offload_dir != "auto":
-            prepare_offload_dir(self.offload_dir)
+            check_offload_dir(self.offload_dir)  # created when the store is, removed with it
+        self._created_dirs: list[str] = []
         if self.max_cpu_gb is not None:
             check_host_ram(self.max_cpu_gb)
         self.engine: Engine | None = None
+        self._checkpoint_size_logged = False
 
     # -- devices --
 
@@ -203,11 +226,24 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+        for callback in trainer.callbacks:  # they keep their own copy of the weights
+            if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+                raise MisconfigurationException(
+                    f"megatrain does not support `{type(callback).__name__}` yet: it keeps an averaged "
+                    "copy of the model's parameters, while megatrain keeps the weights in its store and "
+                    "leaves the module's parameters on the meta device. Remove the callback, or train with "
+                    "the default strategy."
+                )
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        self.engine = Engine.attach(module, self.block_classes, self._engine_config)
+        try:
+            self.engine = Engine.attach(module, self.block_classes, self._engine_config)
+        finally:
+            self._remove_created_dirs_with_store()
         self.precision_plugin.device = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -267,6 +303,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         path = self.offload_dir
         if path == "auto":
             path = os.path.join(self.lightning_module.trainer.default_root_dir, "megatrain_offload")
+        self._created_dirs = missing_dirs(path)
         path = prepare_offload_dir(path)
         one_kind = region_bytes(blocks)
         # Files: master weights, Adam m and v, the gradient accumulator, per-pass sums of tied blocks.
@@ -288,6 +325,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 "least that, or lower `max_vram_gb`/`optimizer_threads`."
             )
         return path, cache
+
+    def _remove_created_dirs_with_store(self) -> None:
+        """The folders ``offload_dir`` needed go when the store's files do (at once if there is no store)."""
+        dirs, self._created_dirs = self._created_dirs, []
+        store = self.engine.store if self.engine is not None else None
+        if isinstance(store, DiskStore):
+            weakref.finalize(store, _remove_after, store._cleanup, dirs)
+        else:
+            remove_empty_dirs(dirs)
 
     @override
     def model_to_device(self) -> None:
@@ -327,7 +373,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             engine.optimizer.close()
         engine.optimizer = optimizer
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = optimizer
+            rebind_scheduler(config.scheduler, optimizer)
         self.optimizers = [optimizer]
 
     # -- steps: each begins a pass of the trace --
@@ -412,7 +458,21 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         state["megatrain_rng"] = torch.get_rng_state()
         optimizer = engine.optimizer if checkpoint.get("optimizer_states") else None
+        if not self._checkpoint_size_logged:
+            self._log_checkpoint_size(os.fspath(filepath), with_optimizer=optimizer is not None)
         checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer)
+
+    def _log_checkpoint_size(self, path: str, with_optimizer: bool) -> None:
+        """Say once, before the first is written, how large each checkpoint is and where it goes: a full
+        checkpoint of a large model is many GB (fp32 weights and Adam state); callbacks may keep several."""
+        self._checkpoint_size_logged = True
+        numel = sum(p.numel for block in self.engine.blocks for p in block.params)
+        per_param = MASTER_BYTES + (STATE_BYTES[self.optimizer_compression] if with_optimizer else 0.0)
+        what = "fp32 weights and optimizer state" if with_optimizer else "fp32 weights"
+        rank_zero_info(
+            f"megatrain: each checkpoint holds {what}, about {numel * per_param / _GB:.3g} GB; "
+            f"writing {os.path.abspath(path)}"
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

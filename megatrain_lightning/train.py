@@ -7,16 +7,20 @@ Composes ``configs/train.yaml`` from the groups ``model/``, ``data/``, ``strateg
     megatrain-train strategy=plain model=tiny_gpt2    # Lightning's default strategy
     megatrain-train strategy=megatrain_nvme strategy.max_vram_gb=2 trainer.max_steps=200
     megatrain-train --multirun model.lr=1e-3,3e-3     # one run per value
+    megatrain-train ckpt_path=outputs/.../last.ckpt   # resume a run from its checkpoint
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import hydra
 import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
 
 
 def build_strategy(cfg: DictConfig | str | None) -> object:
@@ -39,12 +43,27 @@ def instantiate_named(cfg: DictConfig | None) -> list[Any]:
     return [instantiate(entry) for entry in cfg.values() if entry is not None]
 
 
+def log_through_root() -> None:
+    """Lightning prints through a handler of its own when the root logger had none at import time,
+    which keeps its messages out of Hydra's ``train.log``; hand them to the root logger's handlers."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
 def run(cfg: DictConfig) -> float | None:
     """Fit the configured module on the configured data; return the last logged ``train_loss``.
 
     Callbacks and loggers are the entries of the ``callbacks`` and ``logger`` groups; with no
     logger entry the run logs nothing (rather than Lightning's default logger in the cwd).
+    ``ckpt_path`` resumes from a checkpoint (a path, or ``last``).
     """
+    log_through_root()
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model)
@@ -56,12 +75,12 @@ def run(cfg: DictConfig) -> float | None:
         logger=instantiate_named(cfg.get("logger")) or False,
         **trainer_kwargs,
     )
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     loss = trainer.callback_metrics.get("train_loss")
     if loss is None:
-        print("final train_loss: not logged")
+        log.info("final train_loss: not logged")
         return None
-    print(f"final train_loss: {float(loss):.4f}")
+    log.info(f"final train_loss: {float(loss):.4f}")
     return float(loss)
 
 

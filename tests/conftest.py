@@ -200,3 +200,35 @@ def peak_rss_script(body: str) -> str:
     """A subprocess script whose ``PEAK_RSS_WATCHER`` line becomes a thread tracking peak RSS in
     ``peak["rss"]``, with ``baseline`` the RSS before the measured work."""
     return textwrap.dedent(body).replace("PEAK_RSS_WATCHER", _PEAK_RSS_WATCHER.strip())
+
+
+def fit_module(
+    module: L.LightningModule,
+    strategy: Any = "auto",
+    steps: int = 4,
+    trainer: L.Trainer | None = None,
+    callbacks: list[L.Callback] | None = None,
+    seed: int = 0,
+    **trainer_kwargs: Any,
+) -> Run:
+    """Fit ``module`` itself (no copy) on ``steps`` token batches, with a new Trainer or ``trainer``; the
+    losses of this fit are in the returned run (for a second ``fit`` on the same module)."""
+    recorder = LossRecorder()
+    if trainer is None:
+        kwargs: dict[str, Any] = dict(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        )
+        trainer = L.Trainer(strategy=strategy, callbacks=[*(callbacks or [])], **(kwargs | trainer_kwargs))
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LossRecorder)] + [recorder]
+    batches = token_batches(steps, seed=seed)
+    torch.manual_seed(1)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return Run(module, trainer, recorder.losses)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.cli import lightning_cli, main
+from megatrain_lightning.cli import COMMANDS, lightning_cli, main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "configs" / "cli" / "tiny.yaml"
@@ -121,3 +121,45 @@ def test_plan_subcommand_prints_the_table(capsys):
     for method in ("plain AdamW", "ZeRO-Offload", "megatrain none", "megatrain int8", "megatrain int4"):
         assert method in out
     assert "recommended: megatrain none with the store in host RAM" in out
+
+
+def test_megatrain_is_the_default_strategy_and_help_lists_every_subcommand(capsys):
+    cli = lightning_cli(["--trainer.strategy.max_vram_gb=0.5", *QUIET], run=False)
+    assert isinstance(cli.trainer.strategy, MegaTrainStrategy) and cli.trainer.strategy.max_vram_gb == 0.5
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for subcommand in ("fit", "validate", "test", "predict", *COMMANDS):
+        assert subcommand in out, subcommand
+    assert {"plan", "export"} <= set(COMMANDS)
+
+
+def test_plan_usage_error_is_one_line_naming_the_presets(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "13b", "--vram", "80", "--ram", "512"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "13b" in err and "tiny, 170m, 1b, 7b, 70b" in err
+
+
+def test_fit_resumes_from_ckpt_path(tmp_path):
+    """`megatrain fit --ckpt_path`: a checkpoint of a run with omegaconf hyperparameters (as the Hydra app
+    writes) loads with weights_only=True and training goes on from its step."""
+    from omegaconf import OmegaConf
+
+    args = [
+        "--trainer.accelerator=cpu",
+        "--trainer.logger=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        f"--trainer.default_root_dir={tmp_path}",
+        *QUIET,
+    ]
+    first = lightning_cli(["--trainer.max_steps=2", *args], run=False)
+    first.model = type(first.model)(betas=OmegaConf.create([0.9, 0.95]))  # what Hydra's instantiate passes
+    first.trainer.fit(first.model, datamodule=first.datamodule)
+    ckpt = tmp_path / "first.ckpt"
+    first.trainer.save_checkpoint(ckpt)
+    second = lightning_cli(["fit", "--trainer.max_steps=3", f"--ckpt_path={ckpt}", *args])
+    assert second.trainer.global_step == 3 and isinstance(second.trainer.strategy, MegaTrainStrategy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import subprocess
@@ -9,10 +10,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import lightning as L
 import pytest
+from entry_points import run_command
 from hydra import compose, initialize
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
+
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.models import CausalLMModule
 
 REPO = Path(__file__).resolve().parents[1]
 USER_APP = textwrap.dedent(
@@ -134,3 +140,48 @@ def test_users_app_multirun_finds_configs_via_plugin(tmp_path):
         assert any(r.get("val_ppl") for r in rows)
         assert (run_dir / "timeline_step1.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
         assert (run_dir / "checkpoints" / "last.ckpt").exists()  # a file, or a folder of shards
+        assert not (job_dir / "offload").exists()  # the store's folder went with the store
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """``megatrain-train`` with the default configs for 2 steps; its folder."""
+    root = tmp_path_factory.mktemp("app")
+    with contextlib.chdir(root):
+        assert run_command(["megatrain-train", "trainer.max_steps=2", "hydra.run.dir=first", *FAST]) == 0
+    return root / "first"
+
+
+def _step_rows(run_dir: Path) -> list[int]:
+    with open(run_dir / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("train_loss")]
+
+
+def test_defaults_keep_one_checkpoint_a_log_and_no_empty_folder(first_run):
+    checkpoints = first_run / "lightning_logs" / "version_0" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]  # one full checkpoint, not two
+    log = (first_run / "train.log").read_text()
+    assert "final train_loss:" in log and "Trainer.fit" in log  # ours and Lightning's messages
+    assert f"{checkpoints / 'last.ckpt'}" in log and " GB" in log  # the checkpoint size line
+
+
+def test_resume_from_the_apps_checkpoint_with_ckpt_path(first_run, monkeypatch):
+    """The documented `ckpt_path` key resumes; so does Trainer.fit(ckpt_path=...) on the same checkpoint."""
+    ckpt = first_run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    monkeypatch.chdir(first_run.parent)
+    argv = ["megatrain-train", "trainer.max_steps=4", "hydra.run.dir=second", f"ckpt_path={ckpt}", *FAST]
+    assert run_command(argv) == 0
+    first, second = _step_rows(first_run), _step_rows(first_run.parent / "second")
+    assert len(first) == len(second) == 2 and min(second) > max(first)  # 2 steps restored, 2 more run
+
+    trainer = L.Trainer(
+        strategy="megatrain",
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(CausalLMModule("llama"), datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=ckpt)
+    assert trainer.global_step == 3

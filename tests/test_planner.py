@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_lightning.blocks import discover_blocks
 from megatrain_lightning.models import llama_config, tiny_config
 from megatrain_lightning.planner import (
+    LEGEND,
     RESERVE,
     Machine,
     ModelShape,
@@ -52,7 +55,8 @@ def test_7b_footprints_by_hand():
         row = plan.row(f"megatrain {name}")
         # store (4 B master + state) and the 4 B/param gradient buffer, all in RAM
         assert row.host_gb == pytest.approx((4 + state_bytes + 4) * N_7B / GB), name
-        assert row.gpu_gb == pytest.approx((2 * LAYER * 2 + ACT_7B) / GB) and row.disk_gb == 0
+        # every block has a slot: 35 slots of a bf16 layer, and the activations
+        assert row.gpu_gb == pytest.approx(((L + 3) * LAYER * 2 + ACT_7B) / GB) and row.disk_gb == 0
         assert row.fits and row.settings.tier == "host"
         assert (row.settings.num_slots, row.settings.prefetch_depth) == (L + 3, L + 2)  # every block fits
     assert plan.row("megatrain none").host_gb == pytest.approx(107.81, abs=0.01)
@@ -136,3 +140,60 @@ def test_detect_reads_this_machine(tmp_path):
     with torch.device("meta"):
         tiny = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
     assert plan_for(tiny, machine).row("megatrain none").fits
+
+
+def _table(text: str) -> dict[str, dict[str, str]]:
+    """The rows of ``format_plan``'s table by method, each a dict by column header."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("method"))
+    headers = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.strip():
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = dict(zip(headers, cells, strict=True))
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("model", "machine"),
+    [
+        ("7b", Machine(80, 512, 4000)),  # every block resident: the slots fill the GPU column
+        ("7b", Machine(8, 16, 1000)),  # disk tier: the cache is the RAM used
+        ("70b", Machine(80, 512, 4000)),
+        ("1b", Machine(16, 32, 100)),
+        ("70b", Machine(24, 64, 100)),  # nothing fits
+    ],
+)
+def test_printed_columns_and_recommendation_agree(model, machine):
+    plan = plan_for(model, machine)
+    text = format_plan(plan)
+    assert all(line in text for line in LEGEND)
+    rows = _table(text)
+    assert set(rows) == {r.method for r in plan.rows}
+    slot_gb = plan.slot_gb
+    for method, row in rows.items():
+        gpu, host = float(row["GPU GB"]), float(row["host GB"])
+        if row["fits"] == "yes":
+            assert gpu <= machine.vram_gb and host <= machine.ram_gb, method
+            assert float(row["disk GB"]) <= machine.disk_gb, method
+        if row["slots"] != "-" and row["fits"] == "yes":
+            slots = int(row["slots"])
+            assert slots * slot_gb + plan.activations_gb == pytest.approx(gpu, abs=0.06), method
+            assert float(row["cache GB"]) <= host + 0.05, method
+            assert float(row["cache GB"]) == pytest.approx(host, abs=0.05), method
+    best = recommend(plan)
+    line = text.splitlines()[-1]
+    if best is None:
+        assert "does not fit" in line
+        return
+    row = rows[best.method]
+    match = re.search(
+        r"recommended: (megatrain \w+) .*?, (\d+) slots \(([\d.]+) GB; ([\d.]+) GB on the GPU", line
+    )
+    assert match is not None, line
+    assert match[1] == best.method and row["fits"] == "yes"
+    assert int(match[2]) == int(row["slots"])
+    assert float(match[3]) <= float(row["GPU GB"]) and float(match[4]) == float(row["GPU GB"])
+    assert best.settings.cache_gb <= best.host_gb

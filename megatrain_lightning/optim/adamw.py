@@ -1,8 +1,9 @@
 """CPU AdamW over the store's flat buffers, one block at a time, in worker threads.
 
-The user's ``torch.optim.AdamW``/``Adam`` is rebuilt as this optimizer with the same param
-groups (which keep pointing at the module's parameters, so LR schedulers and Lightning work
-unchanged), while the numbers live in the store. A block's update is submitted as soon as its
+The user's ``torch.optim.AdamW``/``Adam`` is rebuilt as this optimizer over the very same param-group
+dicts (which keep pointing at the module's parameters), so every LR scheduler, including one that
+holds the dicts itself (``SequentialLR``, ``ChainedScheduler``), steers it; the numbers live in the
+store. A block's update is submitted as soon as its
 gradients are final, which during the last backward of an accumulation window is while the
 backward of the other blocks still runs; with gradient clipping the updates wait until the
 global norm is known and then overlap the next forward. Either way a block is fetched again
@@ -12,10 +13,20 @@ The update is torch's own functional Adam/AdamW, with the implementation the use
 (``foreach``/``fused``; the default on CPU is the single-tensor one), applied to runs of adjacent
 parameters of the flat buffers: the arithmetic, and so the result, is bitwise the reference's.
 ``fused=True`` is the fast choice.
+
+Threads: the compute thread runs forward/backward, submits updates (``block_ready``, ``step``) and
+waits; on CUDA the gradient-offload worker submits too (``block_ready`` after a block's gradients
+reached the host); the pager's prefetch worker waits (``wait``) before it loads a block; the pool's
+workers run the updates. ``_pending``, ``_submitted`` and ``_failure`` are shared between them under
+``_lock``; a block's step counters and store buffers are touched only by that block's update (or, by
+the compute thread, once it has waited for it).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -30,13 +41,15 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 
 from megatrain_lightning.blocks import align_up
-from megatrain_lightning.futures import result_of
+from megatrain_lightning.futures import fresh_copy
 from megatrain_lightning.grads import HostGrads
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.stats import EngineStats
 from megatrain_lightning.store import HostStore
 from megatrain_lightning.timeline import TIMELINE
+
+log = logging.getLogger(__name__)
 
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 _STATE = ("exp_avg", "exp_avg_sq")  # fp32 moments (every block without compression; small params with it)
@@ -109,6 +122,10 @@ class CPUAdamW(Optimizer):
             foreach=foreach,
             fused=fused,
         )
+        # Per block: (group index, parameter indices), filled by ``add_param_group`` as groups arrive.
+        self._locate = locate
+        self._plan: list[list[tuple[int, list[int]]]] = [[] for _ in store.blocks]
+        self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
         super().__init__(params, defaults)
         self.store = store
         self.grads = grads
@@ -118,22 +135,16 @@ class CPUAdamW(Optimizer):
         self._before_update = before_update
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="megatrain-adamw")
         self.max_queued = 2 * threads
-        self._pending: dict[int, Future] = {}
-        self._submitted: set[int] = set()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}  # block -> its latest update (kept once done)
+        self._submitted: set[int] = set()  # blocks submitted in the step running now
+        # The first failed update: the weights are no longer one step's, so every later wait raises it
+        # (whichever thread saw it first) until this optimizer is closed; ``_reported``: raised to someone.
+        self._failure: BaseException | None = None
+        self._reported = False
         self._in_step = False
         self._hparams: list[_GroupHparams] = []
         self._clip = _Clip()
-        # Per block: (group index, parameter indices) and one step counter per parameter.
-        self._plan: list[list[tuple[int, list[int]]]] = [[] for _ in store.blocks]
-        self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
-        for g, group in enumerate(self.param_groups):
-            by_block: dict[int, list[int]] = {}
-            for p in group["params"]:
-                block, index = locate[id(p)]
-                by_block.setdefault(block, []).append(index)
-                self._order.append((block, index))
-            for block, indices in by_block.items():
-                self._plan[block].append((g, indices))
         self._steps = [[0] * len(b.params) for b in store.blocks]
         if compression not in COMPRESSIONS:
             raise MisconfigurationException(
@@ -147,9 +158,33 @@ class CPUAdamW(Optimizer):
         ]
         self._define_state_kinds()
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (as torch does; also later, e.g. ``BaseFinetuning`` unfreezing a layer) and plan
+        which block buffers its parameters' updates cover."""
+        super().add_param_group(param_group)
+        group = len(self.param_groups) - 1
+        by_block: dict[int, list[int]] = {}
+        for p in self.param_groups[group]["params"]:
+            if id(p) not in self._locate:
+                raise MisconfigurationException(
+                    f"megatrain: the optimizer was given a tensor of shape {tuple(p.shape)} that is not a "
+                    "parameter of the LightningModule; megatrain updates only the module's parameters."
+                )
+            block, index = self._locate[id(p)]
+            by_block.setdefault(block, []).append(index)
+            self._order.append((block, index))
+        for block, indices in by_block.items():
+            self._plan[block].append((group, indices))
+
     @classmethod
     def from_optimizer(cls, optimizer: Optimizer, **kwargs: Any) -> CPUAdamW:
-        """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW``."""
+        """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW``.
+
+        The new optimizer shares ``optimizer``'s param-group dicts (so whatever changes their ``lr`` or
+        ``betas`` changes this one's) and its class name (``LearningRateMonitor`` logs ``lr-AdamW``);
+        its state starts empty, like a new torch optimizer's. Rebind schedulers with
+        :func:`rebind_scheduler`.
+        """
         if type(optimizer) not in _SUPPORTED:
             raise MisconfigurationException(
                 "megatrain runs the optimizer on the CPU and supports `torch.optim.AdamW` and "
@@ -163,8 +198,9 @@ class CPUAdamW(Optimizer):
         decoupled = type(optimizer) is torch.optim.AdamW or bool(
             optimizer.defaults.get("decoupled_weight_decay")
         )
-        groups = [dict(group) for group in optimizer.param_groups]
-        return cls(groups, decoupled_weight_decay=decoupled, **kwargs)
+        return _named_like(cls, type(optimizer).__name__)(
+            optimizer.param_groups, decoupled_weight_decay=decoupled, **kwargs
+        )
 
     def _define_state_kinds(self) -> None:
         bits, q = self._bits, self._quantized
@@ -228,28 +264,33 @@ class CPUAdamW(Optimizer):
             self._submit(block)
 
     def wait(self, block: int) -> None:
-        """Block until ``block``'s pending update (if any) has been applied."""
-        future = self._pending.get(block)
+        """Block until ``block``'s pending update (if any) has been applied; raise if any update failed."""
+        with self._lock:
+            future = self._pending.get(block)
         if future is not None and not future.done():
             start = time.perf_counter()
-            result_of(future)
+            future.exception()  # waits without raising
             self.stats.optimizer_wait_s += time.perf_counter() - start
-        elif future is not None:
-            result_of(future)
+        self._raise_failure()
 
     def wait_all(self) -> None:
-        for block in list(self._pending):
-            self.wait(block)
+        with self._lock:
+            futures = list(self._pending.values())
+        for future in futures:
+            future.exception()
+        self._raise_failure()
 
     def wait_for_room(self) -> None:
         """Back-pressure for the backward pass: return once at most ``max_queued`` updates are queued or
         running. A backward that runs far ahead of the updates only piles up gradients (which the disk
         tier must then spill); the updates, not the backward, decide when the next forward can start."""
-        queued = [f for f in self._pending.values() if not f.done()]
+        with self._lock:
+            queued = [f for f in self._pending.values() if not f.done()]
         if len(queued) > self.max_queued:
             start = time.perf_counter()
             wait_for_any(queued, return_when=FIRST_COMPLETED)
             self.stats.optimizer_wait_s += time.perf_counter() - start
+        self._raise_failure()
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -257,8 +298,28 @@ class CPUAdamW(Optimizer):
         self.grads.clear()
 
     def close(self) -> None:
-        self.wait_all()
+        """Wait for the updates still running and stop the workers. A failure already raised to the user is
+        not raised again (a later ``fit`` starts clean with a new optimizer); one never raised is logged."""
+        with self._lock:
+            futures = list(self._pending.values())
+        for future in futures:
+            future.exception()
         self._pool.shutdown(wait=True)
+        if self._failure is not None and not self._reported:
+            log.error(f"megatrain: a block update failed and nobody waited for it: {self._failure!r}")
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failure = self._failure
+            self._reported = self._reported or failure is not None
+        if failure is not None:
+            raise fresh_copy(failure) from failure
+
+    def _fail(self, future: Future, err: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = err
+        future.set_exception(err)
 
     # -- clipping (called by the precision plugin after the closure) --
 
@@ -322,12 +383,20 @@ class CPUAdamW(Optimizer):
         torch._foreach_clamp_max_(grads, value)
 
     def _submit(self, block: int) -> None:
-        self._submitted.add(block)
+        """Queue ``block``'s update. Its future is registered first, so that a load of the block that
+        starts after ``before_update`` forgot the cached copy waits for it; it resolves on every path."""
+        self._raise_failure()  # after a failed update nothing more changes
         future: Future = Future()
-        self._pending[block] = future
-        self._before_update(block)
-        self.store.claim(block, self.update_kinds)
-        self._pool.submit(self._run, block, future, self._hparams, self._clip)
+        with self._lock:
+            self._submitted.add(block)
+            self._pending[block] = future
+        try:
+            self._before_update(block)
+            self.store.claim(block, self.update_kinds)
+            self._pool.submit(self._run, block, future, self._hparams, self._clip)
+        except BaseException as err:
+            self._fail(future, fresh_copy(err))  # err's traceback holds this thread's frames (result_of)
+            raise
 
     def _run(self, block: int, future: Future, hparams: list[_GroupHparams], clip: _Clip) -> None:
         try:
@@ -337,8 +406,8 @@ class CPUAdamW(Optimizer):
             TIMELINE.record("optimizer", start, end)
             self.stats.optimizer_s += end - start
             future.set_result(None)
-        except BaseException as err:  # re-raised in whoever waits for this block
-            future.set_exception(err)
+        except BaseException as err:  # re-raised in whoever waits next
+            self._fail(future, err)
 
     @property
     def update_kinds(self) -> tuple[str, ...]:
@@ -367,6 +436,7 @@ class CPUAdamW(Optimizer):
             if clip.coef is not None:
                 torch._foreach_mul_(grads, clip.coef)
             h = hparams[group]
+            self._start_fresh(block, flats, [run for run in runs if steps[run[2][0]] == 0])
             fp32 = [(run, grad) for run, grad in zip(runs, grads, strict=True) if run[0] >= q]
             if fp32:
                 adam(
@@ -410,6 +480,21 @@ class CPUAdamW(Optimizer):
             for _, _, members in runs:
                 for i in members:
                     steps[i] += 1
+
+    def _start_fresh(
+        self, block: int, flats: dict[str, Tensor], runs: list[tuple[int, int, list[int]]]
+    ) -> None:
+        """Zero the moments of parameters on their first step: like a new torch optimizer's, whatever the
+        store still holds from an earlier optimizer (a second ``fit``) or a partial ``load_state_dict``."""
+        q = self._quantized[block]
+        for a, b, _ in runs:
+            if a >= q:
+                for kind in _STATE:
+                    flats[kind][a - q : b - q].zero_()
+            else:  # zero codes and scales decode to zero moments; a run's codes and scales are its own
+                codes, m_scales, v_scales = codecs.state_slices(a, b, self._bits)
+                for kind, where in zip(_CODES, (codes, m_scales, codes, v_scales), strict=True):
+                    flats[kind][where].zero_()
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
         """Neighbouring parameters with equal step counts and fp32 moments, merged: ``(start, end,
@@ -512,6 +597,21 @@ class CPUAdamW(Optimizer):
             for kind in _STATE:
                 with self.store.pinned(block, kind, write=True) as flat:
                     self.store.blocks[block].views(flat)[index].copy_(saved[kind])
+
+
+@functools.cache
+def _named_like(cls: type[CPUAdamW], name: str) -> type[CPUAdamW]:
+    """``cls`` under the name of the user's optimizer class, which Lightning shows to users (the
+    ``LearningRateMonitor`` keys ``lr-AdamW/pg1``, the optimizer's ``repr``)."""
+    return type(name, (cls,), {"__module__": cls.__module__, "__qualname__": name})
+
+
+def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point ``scheduler`` and the schedulers it drives (``SequentialLR``, ``ChainedScheduler``) at
+    ``optimizer``, the one Lightning steps (their step-order checks read it)."""
+    scheduler.optimizer = optimizer
+    for inner in getattr(scheduler, "_schedulers", ()):
+        rebind_scheduler(inner, optimizer)
 
 
 # LR schedulers built on the user's optimizer are rebound to this one; mark ``step`` the way their

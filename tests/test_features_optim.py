@@ -1,0 +1,296 @@
+"""Lightning features around the optimizer work as under the default strategy: every torch LR scheduler,
+``LearningRateMonitor`` keys, a second ``fit``, manual optimization with ``clip_gradients``, gradient
+accumulation with clipping; weight-averaging callbacks are refused before training."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import LossRecorder, UserLM, assert_same_training, fit_module, tiny_model, user_fit
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import (
+    EMAWeightAveraging,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    StochasticWeightAveraging,
+)
+from lightning.pytorch.loggers import Logger
+from torch.optim import lr_scheduler as sched
+
+from megatrain_lightning import CPUAdamW, MegaTrainStrategy
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model("llama", use_cache=False)  # the recompute-vs-cache issue is the engine's (issue 10)
+
+
+class LRRecorder(L.Callback):
+    """The learning rate and betas of the first param group at every optimizer step."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, tuple[float, float]]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        group = optimizer.param_groups[0]
+        self.seen.append((group["lr"], tuple(group["betas"])))
+
+
+# -- LR schedulers: the ones holding their own reference to the param groups included --
+
+
+def _two_groups(module: L.LightningModule, lr: float, cls: type = torch.optim.AdamW) -> torch.optim.Optimizer:
+    decay = [p for n, p in module.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in module.named_parameters() if p.ndim < 2]
+    return cls([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "sequential": lambda opt: sched.SequentialLR(
+        opt,
+        [sched.LinearLR(opt, start_factor=0.1, total_iters=2), sched.CosineAnnealingLR(opt, T_max=4)],
+        milestones=[2],
+    ),
+    "chained": lambda opt: sched.ChainedScheduler(
+        [sched.LinearLR(opt, start_factor=0.2, total_iters=3), sched.ExponentialLR(opt, gamma=0.6)]
+    ),
+    "one_cycle_momentum": lambda opt: sched.OneCycleLR(
+        opt, max_lr=1e-2, total_steps=STEPS, cycle_momentum=True, base_momentum=0.8, max_momentum=0.95
+    ),
+    "cyclic": lambda opt: sched.CyclicLR(
+        opt, base_lr=1e-4, max_lr=1e-2, step_size_up=2, cycle_momentum=False
+    ),
+    "cyclic_momentum": lambda opt: sched.CyclicLR(
+        opt, base_lr=1e-4, max_lr=1e-2, step_size_up=2, base_momentum=0.8, max_momentum=0.9
+    ),
+    "lambda": lambda opt: sched.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+    "cosine": lambda opt: sched.CosineAnnealingLR(opt, T_max=3),
+    "plateau": lambda opt: sched.ReduceLROnPlateau(opt, mode="max", factor=0.5, patience=0),
+}
+
+
+class ScheduledLM(UserLM):
+    scheduler = "sequential"
+
+    def configure_optimizers(self) -> Any:
+        optimizer = _two_groups(self, self.lr)
+        config = {"scheduler": SCHEDULERS[self.scheduler](optimizer), "interval": "step"}
+        if self.scheduler == "plateau":
+            config["monitor"] = "train_loss"  # falls every step: "max" mode halves the lr each step
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_every_lr_scheduler_steers_the_cpu_optimizer(model, name):
+    module_cls = type(f"Scheduled_{name}", (ScheduledLM,), {"scheduler": name})
+    seen = {}
+    runs = []
+    for strategy in ("auto", MegaTrainStrategy()):
+        recorder = LRRecorder()
+        runs.append(user_fit(model, strategy, steps=STEPS, module_cls=module_cls, callbacks=[recorder]))
+        seen[strategy if isinstance(strategy, str) else "megatrain"] = recorder.seen
+    assert len({lr for lr, _ in seen["auto"]}) > 2, "the schedule must change the learning rate"
+    if name.endswith("momentum"):
+        assert len({betas for _, betas in seen["auto"]}) > 2, "the schedule must cycle beta1"
+    assert seen["megatrain"] == seen["auto"]
+    assert_same_training(*runs)
+
+
+def test_the_cpu_optimizer_shares_the_users_param_groups(model):
+    module = UserLM(copy.deepcopy(model))
+    run = fit_module(module, MegaTrainStrategy(), steps=1)
+    optimizer = run.trainer.optimizers[0]
+    assert isinstance(optimizer, CPUAdamW) and type(optimizer).__name__ == "AdamW"
+    scheduler = sched.LambdaLR(optimizer, lambda step: 0.5)
+    assert optimizer.param_groups[0]["lr"] == 0.5 * module.lr
+    scheduler.step()
+
+
+# -- LearningRateMonitor: the same keys as under the default strategy --
+
+
+class KeysLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return "keys"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.keys.update(metrics)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class MonitoredLM(UserLM):
+    optimizer_cls: type = torch.optim.AdamW
+    scheduled = True
+    named_groups = False
+
+    def configure_optimizers(self) -> Any:
+        optimizer = _two_groups(self, self.lr, self.optimizer_cls)
+        if self.named_groups:
+            for group, name in zip(optimizer.param_groups, ("matrices", "vectors"), strict=True):
+                group["name"] = name
+        if not self.scheduled:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": sched.StepLR(optimizer, step_size=1)}
+
+
+@pytest.mark.parametrize(
+    ("optimizer_cls", "scheduled", "named_groups"),
+    [(torch.optim.AdamW, True, False), (torch.optim.Adam, False, False), (torch.optim.AdamW, True, True)],
+)
+def test_learning_rate_monitor_keys_are_the_default_strategys(model, optimizer_cls, scheduled, named_groups):
+    module_cls = type(
+        "Monitored",
+        (MonitoredLM,),
+        {"optimizer_cls": optimizer_cls, "scheduled": scheduled, "named_groups": named_groups},
+    )
+    keys = []
+    for strategy in ("auto", MegaTrainStrategy()):
+        logger = KeysLogger()
+        monitor = LearningRateMonitor(logging_interval="step", log_momentum=True, log_weight_decay=True)
+        user_fit(
+            model,
+            strategy,
+            steps=2,
+            module_cls=module_cls,
+            callbacks=[monitor],
+            logger=logger,
+            log_every_n_steps=1,
+        )
+        keys.append({k for k in logger.keys if k.startswith(("lr-", "momentum", "weight_decay"))})
+    assert f"lr-{optimizer_cls.__name__}/{'matrices' if named_groups else 'pg1'}" in keys[0]
+    assert keys[1] == keys[0]
+
+
+# -- a second fit on the same module: a fresh optimizer, as torch's AdamW starts with no state --
+
+
+@pytest.mark.parametrize("same_trainer", [False, True])
+def test_second_fit_starts_a_fresh_optimizer_like_the_default_strategy(model, same_trainer):
+    runs = []
+    for strategy in ("auto", MegaTrainStrategy()):
+        module = UserLM(copy.deepcopy(model))
+        first = fit_module(module, strategy, steps=3)
+        if same_trainer:
+            first.trainer.fit_loop.epoch_loop.max_steps = 6
+            second = fit_module(module, trainer=first.trainer, steps=3, seed=1)
+        else:
+            second = fit_module(
+                module, strategy if isinstance(strategy, str) else MegaTrainStrategy(), steps=3, seed=1
+            )
+        assert len(first.losses) == len(second.losses) == 3
+        second.losses = first.losses + second.losses
+        runs.append(second)
+    assert_same_training(*runs)
+
+
+# -- manual optimization: clip_gradients through the LightningOptimizer wrapper --
+
+
+class ManualClipLM(UserLM):
+    """Manual optimization the way the Lightning docs write it, clipping before ``opt.step()``; with
+    ``in_closure`` the backward and the clipping run inside ``opt.step(closure)``."""
+
+    clip: tuple[str, float] | None = ("norm", 0.5)
+    in_closure = False
+    every = 1  # step every ``every`` batches (manual gradient accumulation)
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        losses = []
+
+        def closure() -> torch.Tensor:
+            loss = self(batch).loss
+            self.manual_backward(loss / self.every)
+            if self.clip is not None and (batch_idx + 1) % self.every == 0:
+                self.clip_gradients(opt, gradient_clip_val=self.clip[1], gradient_clip_algorithm=self.clip[0])
+            losses.append(loss.detach())
+            return loss
+
+        if self.in_closure:
+            opt.step(closure=closure)
+            opt.zero_grad()
+        else:
+            closure()
+            if (batch_idx + 1) % self.every == 0:
+                opt.step()
+                opt.zero_grad()
+        self.log("train_loss", losses[0])
+        return losses[0]
+
+
+@pytest.mark.parametrize(
+    ("clip", "in_closure", "every"),
+    [
+        (("norm", 0.5), False, 1),
+        (("value", 2e-3), False, 1),
+        (("norm", 0.5), True, 1),
+        (("value", 2e-3), False, 2),
+    ],
+)
+def test_manual_optimization_clip_gradients(model, clip, in_closure, every):
+    attrs = {"clip": clip, "in_closure": in_closure, "every": every}
+    module_cls = type("ManualClip", (ManualClipLM,), attrs)
+    unclipped_cls = type("Manual", (ManualClipLM,), attrs | {"clip": None})
+    plain = user_fit(model, "auto", module_cls=module_cls)
+    paged = user_fit(model, MegaTrainStrategy(), module_cls=module_cls)
+    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    unclipped = user_fit(model, "auto", module_cls=unclipped_cls)
+    diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(plain.state_dict().values(), unclipped.state_dict().values(), strict=True)
+    )
+    assert diff > 1e-4, "the clipping must change the result"
+
+
+@pytest.mark.parametrize("clip", [("norm", 0.5), ("value", 2e-3)])
+def test_gradient_accumulation_scheduler_with_clipping(model, clip):
+    kwargs = dict(
+        steps=4,
+        max_steps=-1,
+        max_epochs=2,
+        gradient_clip_algorithm=clip[0],
+        gradient_clip_val=clip[1],
+    )
+    runs = [
+        user_fit(model, strategy, callbacks=[GradientAccumulationScheduler({1: 2})], **kwargs)
+        for strategy in ("auto", MegaTrainStrategy())
+    ]
+    assert runs[0].trainer.global_step == 4 + 2
+    assert_same_training(*runs)
+
+
+# -- weight averaging: refused before training --
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [lambda: StochasticWeightAveraging(swa_lrs=1e-2), lambda: EMAWeightAveraging()],
+    ids=["swa", "ema"],
+)
+def test_weight_averaging_callbacks_are_refused_before_training(model, callback):
+    callback, recorder = callback(), LossRecorder()
+    with pytest.raises(MisconfigurationException, match=f"does not support `{type(callback).__name__}`"):
+        user_fit(model, MegaTrainStrategy(), callbacks=[callback, recorder])
+    assert recorder.losses == []
