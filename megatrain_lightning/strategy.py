@@ -403,15 +403,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         ckpt = checkpoint.get("megatrain_checkpoint")
         optimizer = self.engine.optimizer
         if ckpt is None:
-            # A single-file checkpoint (the default strategy's, or a converted one): torch.optim.AdamW's
-            # format, which CPUAdamW loads as it is when its moments are fp32.
-            if optimizer.compression != "none" and "blocks" not in checkpoint["optimizer_states"][0]:
-                raise MisconfigurationException(
-                    "This checkpoint holds fp32 Adam moments (torch.optim format), which megatrain loads "
-                    f"only uncompressed; got `optimizer_compression={optimizer.compression!r}`. Resume with "
-                    "`MegaTrainStrategy(optimizer_compression='none')` (and save again to compress)."
-                )
-            return super().load_optimizer_state_dict(checkpoint)
+            # A single-file checkpoint (the default strategy's, or a converted one) in torch.optim.AdamW's
+            # format: CPUAdamW loads fp32 moments as they are; compressed ones are quantized here.
+            (state,) = checkpoint["optimizer_states"]
+            if optimizer.compression != "none" and "blocks" not in state:
+                blocks = checkpointing.adam_state_as_blocks(state["state"], self.engine, optimizer)
+                state = {"param_groups": state["param_groups"], "state": {}, "blocks": blocks}
+            optimizer.load_state_dict(state)
+            return
         adam_state.load_param_groups(optimizer, checkpoint["optimizer_states"][0]["param_groups"])
         checkpointing.load_optimizer(ckpt, self.engine, optimizer)
 

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 import megatrain_lightning
 from megatrain_lightning import MegaTrainStrategy, convert_checkpoint, open_checkpoint
 from megatrain_lightning.cli import main as cli_main
+from megatrain_lightning.optim import codecs
 from megatrain_lightning.serialization.checkpoint import CheckpointError, is_checkpoint_dir
 
 TRAIN = token_batches(3)  # one epoch: three optimizer steps
@@ -38,10 +39,6 @@ class ScheduledLM(UserLM):
         optimizer = torch.optim.AdamW(groups, lr=self.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def _model(seed: int) -> torch.nn.Module:
-    return tiny_model("llama", seed=seed, use_cache=False)  # TEMP until the engine's recompute drops caches
 
 
 def _loader(batches: list[Any]) -> torch.utils.data.DataLoader:
@@ -67,7 +64,7 @@ def _fit(
     """Fit a fresh ``ScheduledLM`` (its initial weights are overwritten when resuming) on ``TRAIN``."""
     recorder = LossRecorder()
     trainer = _trainer(strategy, root, [recorder, *callbacks], max_steps=max_steps, **kwargs)
-    module = ScheduledLM(_model(seed=0 if ckpt_path is None else 7))
+    module = ScheduledLM(tiny_model("llama", seed=0 if ckpt_path is None else 7))
     torch.manual_seed(1)
     trainer.fit(module, _loader(TRAIN), _loader(VAL) if val else None, ckpt_path=ckpt_path)
     return Run(module, trainer, recorder.losses)
@@ -119,14 +116,16 @@ def test_open_checkpoint_is_the_default_strategys_checkpoint(trained):
             assert (optimizer["state"][i][moment] - state[moment]).abs().max() <= 1e-6
     for key in ("lr_schedulers", "loops", "global_step", "epoch"):
         assert got[key] == expected[key], key
+    # The same line reads the default strategy's single file.
+    assert torch.load(open_checkpoint(plain_path), weights_only=True)["global_step"] == 3
 
 
 def test_load_from_checkpoint_reads_a_megatrain_checkpoint(trained):
     paged, path = trained["megatrain"]
     assert "open_checkpoint" in Path(path, "README.txt").read_text()  # found next to the data
     with pytest.raises(IsADirectoryError):  # why the one-liner exists
-        ScheduledLM.load_from_checkpoint(path, model=_model(seed=7))
-    loaded = ScheduledLM.load_from_checkpoint(open_checkpoint(path), model=_model(seed=7))
+        ScheduledLM.load_from_checkpoint(path, model=tiny_model("llama", seed=7))
+    loaded = ScheduledLM.load_from_checkpoint(open_checkpoint(path), model=tiny_model("llama", seed=7))
     _assert_close(paged.module.state_dict(), loaded.state_dict(), exact=True)
 
 
@@ -207,16 +206,33 @@ def test_megatrain_resumes_a_default_strategy_checkpoint(trained, tmp_path, tier
     assert_same_training(plain, paged)
 
 
-def test_compressed_megatrain_refuses_fp32_moments_before_training(trained, tmp_path):
-    strategy = MegaTrainStrategy(optimizer_compression="int8")
-    with pytest.raises(MisconfigurationException, match="optimizer_compression='none'"):
-        _fit(strategy, tmp_path, max_steps=5, ckpt_path=trained["auto"][1])
-    assert strategy.lightning_module.trainer.global_step == 3  # restored, nothing trained
+def test_compressed_megatrain_resumes_a_default_strategy_checkpoint(trained, tmp_path):
+    path = trained["auto"][1]
+    # Restored and saved again without a step: the fp32 moments went through int8 within the codec's bound.
+    restored = _fit(MegaTrainStrategy(optimizer_compression="int8"), tmp_path / "restored", 3, ckpt_path=path)
+    assert restored.losses == []
+    restored.trainer.save_checkpoint(tmp_path / "int8.ckpt")
+    got = torch.load(open_checkpoint(tmp_path / "int8.ckpt"), weights_only=True)["optimizer_states"][0]
+    expected = torch.load(path, weights_only=True)["optimizer_states"][0]
+    assert got["state"].keys() == expected["state"].keys()
+    quantized = 0
+    for i, state in expected["state"].items():
+        assert got["state"][i]["step"] == state["step"]
+        for moment, kind in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            error = (got["state"][i][moment] - state[moment]).abs()
+            assert (error <= codecs.error_bound(state[moment], kind, 8).view_as(error)).all(), (i, moment)
+            quantized += bool(error.any())
+    assert quantized > 0  # the decoder layers' large weights have int8 moments
+    # Training on: the first loss is the plain run's (same weights), the next ones stay close.
+    plain = _fit("auto", tmp_path / "auto", max_steps=5, ckpt_path=path)
+    paged = _fit(MegaTrainStrategy(optimizer_compression="int8"), tmp_path / "paged", 5, ckpt_path=path)
+    assert abs(paged.losses[0] - plain.losses[0]) <= 1e-6 * plain.losses[0]
+    assert abs(paged.losses[1] - plain.losses[1]) <= 1e-3 * plain.losses[1]
 
 
 def test_load_state_dict_after_setup(trained, tmp_path):
     plain = trained["auto"][0].module
-    module = ScheduledLM(_model(seed=7))
+    module = ScheduledLM(tiny_model("llama", seed=7))
     trainer = _trainer("megatrain", tmp_path)
     before = trainer.validate(module, _loader(VAL), verbose=False)[0]["val_loss"]
     result = module.load_state_dict(plain.state_dict())

@@ -259,6 +259,38 @@ def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
         adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
 
 
+def adam_state_as_blocks(
+    state: dict[int, dict[str, Tensor]], engine: Any, optimizer: Any
+) -> dict[int, dict[str, Tensor]]:
+    """``torch.optim.AdamW``'s per-parameter state (numbered in param-group order) as ``optimizer``'s
+    per-block state: flat moments in the store's layout, block-quantized where it compresses them."""
+    bits = COMPRESSIONS[optimizer.compression]
+    flats = {
+        b.index: (torch.zeros(b.numel), torch.zeros(b.numel), [0] * len(b.params)) for b in engine.blocks
+    }
+    for i, (block, index) in enumerate(optimizer._order):
+        if i not in state:
+            continue  # never stepped
+        m, v, steps = flats[block]
+        spec = engine.blocks[block].params[index]
+        m[spec.offset : spec.offset + spec.numel] = state[i]["exp_avg"].reshape(-1)
+        v[spec.offset : spec.offset + spec.numel] = state[i]["exp_avg_sq"].reshape(-1)
+        steps[index] = int(state[i]["step"])
+    blocks = {}
+    for block, (m, v, steps) in flats.items():
+        quantized = m.numel() - engine.store.layout(block, "exp_avg")[1]
+        tensors = {"exp_avg": m[quantized:], "exp_avg_sq": v[quantized:], "step": torch.tensor(steps)}
+        if bits:
+            codes = (
+                (*codecs.quantize(m[:quantized], "m", bits), *codecs.quantize(v[:quantized], "v", bits))
+                if quantized
+                else codecs.empty_state(0, bits)
+            )
+            tensors.update(zip(("m_codes", "m_scales", "v_codes", "v_scales"), codes, strict=True))
+        blocks[block] = tensors
+    return blocks
+
+
 def _optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, Tensor]:
     """One block's saved optimizer state by kind (``exp_avg``, ``step``, ...)."""
     file = _block_file("optimizer", block)
@@ -280,7 +312,11 @@ def open_checkpoint(path: str | os.PathLike) -> io.BytesIO:
         torch.load(megatrain_lightning.open_checkpoint(path), weights_only=True)
 
     The model and optimizer state must fit in RAM twice (the dict and its serialized bytes); otherwise
-    use :func:`convert_checkpoint`, or ``megatrain export`` for the weights alone."""
+    use :func:`convert_checkpoint`, or ``megatrain export`` for the weights alone. A single-file
+    checkpoint (the default strategy's) is read as it is, so the same line serves both."""
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return io.BytesIO(f.read())
     buffer = io.BytesIO()
     torch.save(to_lightning(path, copies=2), buffer)
     buffer.seek(0)
