@@ -30,6 +30,7 @@ def plain_runs() -> dict[tuple[str, bool], tuple[torch.nn.Module, Run]]:
 def _plain(cache: dict[tuple[str, bool], tuple[torch.nn.Module, Run]], arch: str, dicts: bool):
     if (arch, dicts) not in cache:
         model = tiny_zoo_model(arch)
+        assert sum(p.numel() for p in model.parameters()) < 1_000_000, f"the tiny {arch} is not tiny"
         cache[arch, dicts] = model, user_fit(model, "auto", dicts=dicts)
     return cache[arch, dicts]
 
