@@ -268,7 +268,7 @@ def adam_state_as_blocks(
     flats = {
         b.index: (torch.zeros(b.numel), torch.zeros(b.numel), [0] * len(b.params)) for b in engine.blocks
     }
-    for i, (block, index) in enumerate(optimizer._order):
+    for i, (block, index) in enumerate(optimizer.order):
         if i not in state:
             continue  # never stepped
         m, v, steps = flats[block]
