@@ -52,7 +52,7 @@ class PagedForward:
         self.engine, self.site, self.forward = engine, site, forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine._paged_forward(self.site, self.forward, *args, **kwargs)
+        return self.engine.paged_forward(self.site, self.forward, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
         return copy.deepcopy(self.forward, memo)

@@ -338,7 +338,9 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer.wait(block)
 
-    def _paged_forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    def paged_forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+        """One call of ``site``: with its block resident and bound when nothing needs gradients (evaluation),
+        else as a :class:`PagedCall` (the training path, under the recompute rule)."""
         placeholders = self._placeholders[site.block.index]
         trains = any(placeholders[i].requires_grad for i in site.param_indices) or any(
             t.requires_grad for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)
