@@ -39,7 +39,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    return tiny_model("llama", use_cache=False)  # the recompute-vs-cache issue is the engine's (issue 10)
+    return tiny_model("llama")  # called the default way: use_cache stays on
 
 
 class LRRecorder(L.Callback):

@@ -59,7 +59,7 @@ class HostGrads:
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
-    def consumed(self, block: int) -> None:
+    def mark_consumed(self, block: int) -> None:
         """``block``'s update has used its gradient sums (the store may have dropped them)."""
         self._consumed.add(block)
 

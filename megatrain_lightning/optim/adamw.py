@@ -316,7 +316,7 @@ class CPUAdamW(Optimizer):
         with self.store.pinned_all(block, self.update_kinds, write=True) as flats:
             self._update_pinned(block, flats, hparams, clip)
         self.store.discard(block, "grad")
-        self.grads.consumed(block)
+        self.grads.mark_consumed(block)
         self.store.written(block, ("param", *self.state_kinds))
 
     def _update_pinned(
