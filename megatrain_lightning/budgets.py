@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.store import sizing
@@ -49,9 +50,10 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     Options left to ``None``/``"auto"`` take the planner's settings for this machine. Also returns the
     folders created for ``offload_dir`` (removed with the store)."""
     dtype = strategy.precision_plugin.compute_dtype
+    mixed = strategy.precision_plugin.precision == "bf16-mixed"
     auto = _plan(strategy, blocks, dtype)
     if strategy.max_vram_gb is not None:
-        num_slots = sizing.num_slots_for(strategy.max_vram_gb, blocks, dtype.itemsize)
+        num_slots = sizing.num_slots_for(strategy.max_vram_gb, SlotLayout(blocks, dtype, mixed).nbytes)
     else:
         num_slots = auto.num_slots if auto is not None else len(blocks)
     num_slots = max(1, min(num_slots, len(blocks)))
@@ -60,6 +62,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     config = EngineConfig(
         device=strategy.root_device,
         compute_dtype=dtype,
+        mixed_precision=mixed,
         num_slots=num_slots,
         prefetch_depth=max(num_slots - 1, 1) if auto_prefetch else strategy.prefetch_depth,
         activation_checkpointing=strategy.activation_checkpointing,

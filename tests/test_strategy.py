@@ -117,7 +117,7 @@ def test_validate_test_and_predict_run_paged_and_match_plain():
 def test_bf16_mixed_trains_with_fp32_masters():
     run = fit(tiny_model("llama"), "megatrain", steps=40, lr=3e-3, precision="bf16-mixed", batch_size=4)
     engine = run.trainer.strategy.engine
-    assert engine.pager.dtype == torch.bfloat16
+    assert engine.pager.layout.compute_dtype == torch.bfloat16
     assert all(
         engine.store.read(b.index, kind).dtype == torch.float32
         for b in engine.blocks

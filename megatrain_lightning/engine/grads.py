@@ -55,7 +55,7 @@ class HostGrads:
         # One permit per staging buffer: taken before the copy, given back after the host add.
         self.max_in_flight = max_in_flight
         self._room = threading.BoundedSemaphore(max_in_flight)
-        self._staging: dict[torch.dtype, list[Tensor]] = {}  # free buffers (at most max_in_flight per dtype)
+        self._staging: list[Tensor] = []  # free byte buffers (at most max_in_flight)
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
@@ -84,7 +84,7 @@ class HostGrads:
         self._room.acquire()  # back-pressure: waits while max_in_flight host adds are behind
         self.stats.offload_wait_s += time.perf_counter() - start
         try:
-            staging = self._take_staging(next(iter(grads.values())).dtype)
+            staging = self._take_staging()
         except BaseException:
             self._room.release()
             raise
@@ -101,12 +101,13 @@ class HostGrads:
         self, block: int, grads: dict[int, Tensor], staging: Tensor
     ) -> tuple[dict[int, Tensor], torch.cuda.Event | None]:
         """Copy ``grads`` into ``staging`` (on CUDA: queued on the offload stream, with the event the worker
-        waits for); return the host views by parameter index."""
+        waits for); return the host views by parameter index. Each gradient keeps its dtype (fp32 or the
+        compute dtype, as its slot parameter), at its parameter's fp32 place in the staging bytes."""
         params = self.store.blocks[block].params
-        on_host = {
-            i: staging[params[i].offset : params[i].offset + params[i].numel].view(params[i].shape)
-            for i in grads
-        }
+        on_host = {}
+        for i, grad in grads.items():
+            start = params[i].offset * 4
+            on_host[i] = staging[start : start + grad.nbytes].view(grad.dtype).view(params[i].shape)
         if self._stream is None:
             for index, grad in grads.items():
                 on_host[index].copy_(grad)
@@ -164,7 +165,7 @@ class HostGrads:
         then()
 
     def _give_back(self, staging: Tensor) -> None:
-        self._staging[staging.dtype].append(staging)
+        self._staging.append(staging)
         self._room.release()
 
     def _accumulate(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
@@ -201,9 +202,9 @@ class HostGrads:
                 dst[index].copy_(grad)
                 present.add(index)
 
-    def _take_staging(self, dtype: torch.dtype) -> Tensor:
-        pool = self._staging.setdefault(dtype, [])
-        if pool:
-            return pool.pop()
-        numel = max(b.numel for b in self.store.blocks)
-        return host_empty(numel, dtype, self.store.pin_memory)
+    def _take_staging(self) -> Tensor:
+        """A free staging buffer: the largest block's bytes in fp32 (a block's gradients may mix dtypes)."""
+        if self._staging:
+            return self._staging.pop()
+        nbytes = max(b.numel for b in self.store.blocks) * 4
+        return host_empty(nbytes, torch.uint8, self.store.pin_memory)

@@ -77,6 +77,7 @@ class _SlotRef:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    dtype: torch.dtype
 
 
 class PagedCall(torch.autograd.Function):
@@ -106,12 +107,14 @@ class PagedCall(torch.autograd.Function):
 
                 def pack(t: Tensor) -> Any:
                     if t.device == slot.device and t.untyped_storage().data_ptr() == slot_storage:
-                        return _SlotRef(t.size(), t.stride(), t.storage_offset())
+                        return _SlotRef(t.size(), t.stride(), t.storage_offset(), t.dtype)
                     return t
 
                 def unpack(saved: Any) -> Tensor:
                     if isinstance(saved, _SlotRef):
-                        return holder[0].as_strided(saved.size, saved.stride, saved.offset)
+                        # The slot is a byte buffer; the offset counts elements of the saved dtype.
+                        slot = holder[0].view(saved.dtype)
+                        return slot.as_strided(saved.size, saved.stride, saved.offset)
                     return saved
 
                 with (

@@ -1,6 +1,6 @@
 """The pager: a fixed pool of device slots that blocks are copied into while they are needed.
 
-A slot holds one block's parameters in the compute dtype. ``acquire`` makes a block resident
+A slot holds a block's parameters, each in its dtype (:mod:`.slots`). ``acquire`` makes a block resident
 and pins it; ``release`` unpins it, but the copy stays cached until a slot is needed for
 another block or the block's weights change (``invalidate``). While the trace predicts the
 future, free slots are filled ahead of time by one worker thread (on CUDA through a copy stream
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from megatrain_lightning.engine.futures import result_of
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import Trace
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -59,7 +60,7 @@ class Pager:
         self,
         store: HostStore,
         device: torch.device,
-        dtype: torch.dtype,
+        layout: SlotLayout,
         num_slots: int,
         prefetch_depth: int,
         wait_for_update: Callable[[int], None],
@@ -70,14 +71,15 @@ class Pager:
         next pass uses (the store ranks and loads ahead by them)."""
         self.store = store
         self.device = device
-        self.dtype = dtype
+        self.layout = layout
         self.prefetch_depth = prefetch_depth
         self.trace = Trace()
         self.stats = stats
         self._wait_for_update = wait_for_update
         self._access_kinds = access_kinds
-        slot_numel = max(b.numel for b in store.blocks)
-        self._slots = [_Slot(torch.empty(slot_numel, dtype=dtype, device=device)) for _ in range(num_slots)]
+        self._slots = [
+            _Slot(torch.empty(layout.nbytes, dtype=torch.uint8, device=device)) for _ in range(num_slots)
+        ]
         self._resident: dict[int, _Slot] = {}
         self._cond = threading.Condition()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -96,7 +98,7 @@ class Pager:
             self.trace.begin_pass(kind)
 
     def acquire(self, block: int, backward: bool) -> Tensor:
-        """Make ``block`` resident, pin it and return its slot (flat, ``block.numel`` long)."""
+        """Make ``block`` resident, pin it and return its slot (bytes; ``layout.view`` finds a parameter)."""
         start = time.perf_counter()
         with self._cond:
             self.trace.access((block, backward))
@@ -119,7 +121,7 @@ class Pager:
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
         self.stats.fetch_wait_s += time.perf_counter() - start
-        return slot.buf[: self.store.blocks[block].numel]
+        return slot.buf
 
     def release(self, block: int) -> None:
         with self._cond:
@@ -209,13 +211,12 @@ class Pager:
             self._wait_for_update(block)
             src = unpin.enter_context(self.store.pinned(block, "param"))
             start = time.perf_counter()
-            dst = slot.buf[: src.numel()]
             if self._copy_stream is None:
-                dst.copy_(src)
+                self.layout.copy_in(block, src, slot.buf)
             else:
                 with torch.cuda.stream(self._copy_stream):
                     self._copy_stream.wait_event(slot.released)
-                    dst.copy_(src, non_blocking=True)
+                    self.layout.copy_in(block, src, slot.buf, non_blocking=True)
                     slot.copied.record(self._copy_stream)
         except BaseException as err:  # surfaces in the waiting compute thread
             unpin.close()
@@ -223,7 +224,7 @@ class Pager:
             self._settle(slot, block, err, forget=True)
             return
         slot.ready.set_result(None)
-        finish(self._finish_load, slot, block, unpin, start, src.numel() * src.element_size())
+        finish(self._finish_load, slot, block, unpin, start, self.layout.block_bytes[block])
 
     def _finish_load(
         self, slot: _Slot, block: int, unpin: contextlib.ExitStack, start: float, nbytes: int
@@ -263,8 +264,8 @@ class Pager:
             self._cond.notify_all()
 
     def _note_peak(self) -> None:
-        held = sum(self.store.blocks[s.block].numel for s in self._slots if s.block is not None)
-        self.stats.peak_slot_bytes = max(self.stats.peak_slot_bytes, held * self.dtype.itemsize)
+        held = sum(self.layout.block_bytes[s.block] for s in self._slots if s.block is not None)
+        self.stats.peak_slot_bytes = max(self.stats.peak_slot_bytes, held)
 
 
 def _call(function: Callable[..., object], *args: object) -> None:

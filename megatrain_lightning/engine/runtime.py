@@ -44,6 +44,7 @@ from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import UpdateCadence
 from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
 from megatrain_lightning.serialization.safetensors_io import read_into
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
+    mixed_precision: bool = False  # bf16-mixed: embeddings and 1-D parameters stay fp32 (engine/slots.py)
     num_slots: int = 2
     prefetch_depth: int = 1
     activation_checkpointing: bool = True
@@ -151,7 +153,7 @@ class Engine:
         return Pager(
             self.store,
             config.device,
-            config.compute_dtype,
+            SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision),
             config.num_slots,
             config.prefetch_depth,
             self._wait_for_update,
@@ -366,8 +368,7 @@ class Engine:
             placeholders = self._placeholders[block.index]
             tensors = {}
             for index in site.param_indices:
-                p = block.params[index]
-                view = slot[p.offset : p.offset + p.numel].view(p.shape)
+                view = self.pager.layout.view(block.index, index, slot)
                 tensors[index] = (
                     view.detach().requires_grad_(placeholders[index].requires_grad) if grad else view
                 )

@@ -35,14 +35,14 @@ def disk_files_bytes(blocks: list[Block]) -> int:
     return 4 * region_bytes(blocks) + region_bytes([b for b in blocks if len(b.sites) > 1])
 
 
-def num_slots_for(max_vram_gb: float, blocks: list[Block], itemsize: int) -> int:
-    """How many slots (each the largest block in the compute dtype) ``max_vram_gb`` holds; at least one."""
-    slot_bytes = max(b.numel for b in blocks) * itemsize
+def num_slots_for(max_vram_gb: float, slot_bytes: int) -> int:
+    """How many slots of ``slot_bytes`` (the largest block on the device) ``max_vram_gb`` holds; at least
+    one."""
     num_slots = int(max_vram_gb * _GB // slot_bytes)
     if num_slots < 1:
         raise MisconfigurationException(
             f"`max_vram_gb={max_vram_gb}` is smaller than the largest block "
-            f"({slot_bytes / _GB:.3g} GB in the compute dtype); raise it to at least that."
+            f"({slot_bytes / _GB:.3g} GB on the device); raise it to at least that."
         )
     return num_slots
 
