@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
-from megatrain_lightning.engine.slots import SlotLayout
+from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.store import sizing
@@ -51,7 +51,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     folders created for ``offload_dir`` (removed with the store)."""
     dtype = strategy.precision_plugin.compute_dtype
     mixed = strategy.precision_plugin.precision == "bf16-mixed"
-    auto = _plan(strategy, blocks, dtype)
+    auto = _plan(strategy, blocks, dtype, mixed)
     if strategy.max_vram_gb is not None:
         num_slots = sizing.num_slots_for(strategy.max_vram_gb, SlotLayout(blocks, dtype, mixed).nbytes)
     else:
@@ -75,12 +75,15 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     return config, created
 
 
-def _plan(strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype) -> Settings | None:
+def _plan(
+    strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype, mixed: bool
+) -> Settings | None:
     """The planner's settings for this model on this machine (``megatrain plan`` prints the same)."""
     found = hf_model(strategy.lightning_module)
     if found is None:
         return None
-    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config)
+    fp32_numels = mixed_fp32_numels(blocks) if mixed else ()
+    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config, fp32_numels)
     workload = Workload(
         compute_dtype="fp32" if dtype == torch.float32 else "bf16",
         activation_checkpointing=strategy.activation_checkpointing,

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.planner.plan import (
     LEGEND,
     RESERVE,
@@ -28,6 +29,10 @@ GB = 1e9
 H, FF, L, V = 4096, 11008, 32, 32000
 LAYER = 4 * H * H + 3 * H * FF + 2 * H  # q, k, v, o; gate, up, down; two RMSNorms
 N_7B = L * LAYER + 2 * V * H + H  # layers, embedding and head, final norm
+# A bf16-mixed slot: the largest block on the device, the embedding in fp32 (a layer, its norms in fp32,
+# and the head are smaller).
+SLOT_7B = 4 * V * H
+assert max((LAYER - 2 * H) * 2 + 2 * H * 4, 2 * V * H) < SLOT_7B
 TOKENS = 4096
 # bf16 activations with per-block checkpointing: block inputs, one layer for the recompute, logits
 # (bf16, an fp32 copy and its gradient).
@@ -55,8 +60,8 @@ def test_7b_footprints_by_hand():
         row = plan.row(f"megatrain {name}")
         # store (4 B master + state) and the 4 B/param gradient buffer, all in RAM
         assert row.host_gb == pytest.approx((4 + state_bytes + 4) * N_7B / GB), name
-        # every block has a slot: 35 slots of a bf16 layer, and the activations
-        assert row.gpu_gb == pytest.approx(((L + 3) * LAYER * 2 + ACT_7B) / GB) and row.disk_gb == 0
+        # every block has a slot: 35 slots of the fp32 embedding's size, and the activations
+        assert row.gpu_gb == pytest.approx(((L + 3) * SLOT_7B + ACT_7B) / GB) and row.disk_gb == 0
         assert row.fits and row.settings.tier == "host"
         assert (row.settings.num_slots, row.settings.prefetch_depth) == (L + 3, L + 2)  # every block fits
     assert plan.row("megatrain none").host_gb == pytest.approx(107.81, abs=0.01)
@@ -73,7 +78,7 @@ def test_7b_on_a_small_gpu_pages_and_a_small_host_goes_to_disk():
     plan = plan_for("7b", Machine(vram_gb=12, ram_gb=64, disk_gb=1000, disk_gbps=5), "int8", workload)
     s = plan.settings
     act = activation_bytes(plan.model, 2048, 2)
-    assert s.num_slots == int((12 * GB * (1 - RESERVE) - act) // (LAYER * 2)) < L + 3
+    assert s.num_slots == int((12 * GB * (1 - RESERVE) - act) // SLOT_7B) < L + 3
     assert s.tier == "disk"  # 67.7 GB of store and gradients > 57.6 GB usable RAM
     row = plan.row("megatrain int8")
     assert row.disk_gb == pytest.approx((4 + 2 + 4 / 256 + 4 / 128 + 4) * N_7B / GB)
@@ -132,6 +137,17 @@ def test_shapes_from_files_modules_and_moe(tmp_path):
         load_shape("3b")
     with pytest.raises(ValueError, match="compression"):
         plan_for("tiny", Machine(1, 1), compression="int2")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_planned_slots_are_the_engines(arch):
+    """The planner sizes a slot as the engine lays it out: fp32, or bf16-mixed with the embeddings and
+    one-dimensional parameters in fp32."""
+    blocks = discover_blocks(AutoModelForCausalLM.from_config(tiny_config(arch)))
+    shape = load_shape(tiny_config(arch))
+    assert shape.slot_bytes(4) == SlotLayout(blocks, torch.float32).nbytes
+    assert shape.slot_bytes(2) == SlotLayout(blocks, torch.bfloat16, mixed=True).nbytes
+    assert shape.slot_bytes(2) > 2 * shape.largest_block  # the fp32 embedding sets it
 
 
 def test_detect_reads_this_machine(tmp_path):

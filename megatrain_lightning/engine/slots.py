@@ -41,6 +41,13 @@ def param_dtype(block: Block, index: int, compute_dtype: torch.dtype, mixed: boo
     return torch.float32 if embedding else compute_dtype
 
 
+def mixed_fp32_numels(blocks: list[Block]) -> list[int]:
+    """Per block, the elements (padding included) that stay fp32 on the device under ``bf16-mixed``: the
+    planner sizes slots with them."""
+    layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
+    return [sum(r.end - r.start for r in runs if r.dtype == torch.float32) for runs in layout.runs]
+
+
 @dataclass(frozen=True)
 class Run:
     """Store elements ``[start, end)`` of a block, on the device in ``dtype`` from byte ``offset``."""

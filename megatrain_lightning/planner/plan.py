@@ -41,6 +41,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.slots import mixed_fp32_numels
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
 from megatrain_lightning.store.sizing import working_blocks
@@ -69,6 +70,9 @@ class ModelShape:
     mlp_width: int  # per token: the MLP's intermediate width (times the active experts for MoE)
     num_layers: int
     vocab_size: int
+    # Per block, the elements that stay fp32 on the device under mixed precision (embeddings, norms,
+    # biases: engine/slots.py); empty: none.
+    fp32_numels: tuple[int, ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -82,6 +86,13 @@ class ModelShape:
     def num_blocks(self) -> int:
         return len(self.block_numels)
 
+    def slot_bytes(self, dtype_bytes: int) -> int:
+        """One device slot in a compute dtype of ``dtype_bytes``: the largest block on the device, its
+        fp32-kept parameters in fp32 when that dtype is narrower."""
+        kept = self.fp32_numels or (0,) * self.num_blocks
+        wide = max(dtype_bytes, int(MASTER_BYTES))
+        return max((n - k) * dtype_bytes + k * wide for n, k in zip(self.block_numels, kept, strict=True))
+
     @classmethod
     def from_module(cls, model: nn.Module, block_classes: Iterable[str | type] | None = None) -> ModelShape:
         """Blocks as the engine pages them (padding included); sizes from the Hugging Face config inside."""
@@ -92,7 +103,7 @@ class ModelShape:
         if config is None:
             raise ValueError(f"{type(model).__name__} holds no Hugging Face config to plan activations from")
         blocks = discover_blocks(model, block_classes)
-        return cls.from_blocks([b.numel for b in blocks], config)
+        return cls.from_blocks([b.numel for b in blocks], config, mixed_fp32_numels(blocks))
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelShape:
@@ -102,9 +113,11 @@ class ModelShape:
         return cls.from_module(model)
 
     @classmethod
-    def from_blocks(cls, block_numels: Sequence[int], config: PretrainedConfig) -> ModelShape:
-        """From the engine's blocks (``[b.numel for b in blocks]``) and the model's (text) config; widths
-        given per layer (Gemma-3n, Gemma-4) count at their largest."""
+    def from_blocks(
+        cls, block_numels: Sequence[int], config: PretrainedConfig, fp32_numels: Sequence[int] = ()
+    ) -> ModelShape:
+        """From the engine's blocks (``[b.numel for b in blocks]``, and ``mixed_fp32_numels(blocks)``) and
+        the model's (text) config; widths given per layer (Gemma-3n, Gemma-4) count at their largest."""
         config = config.get_text_config()
         hidden = config.hidden_size
         experts = _largest(getattr(config, "num_experts_per_tok", None)) or 1
@@ -117,7 +130,14 @@ class ModelShape:
                 or _largest(getattr(config, "n_inner", None))
                 or 4 * hidden
             ) * experts
-        return cls(tuple(block_numels), hidden, width, config.num_hidden_layers, config.vocab_size)
+        return cls(
+            tuple(block_numels),
+            hidden,
+            width,
+            config.num_hidden_layers,
+            config.vocab_size,
+            tuple(fp32_numels),
+        )
 
 
 def _largest(value: int | Sequence[int] | None) -> int | None:
@@ -274,7 +294,7 @@ def plan_for(
     # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch.
     link_s = (1 + workload.micro_batches) * cd * n / (machine.pcie_gbps * GB)
     rows.append(_row("ZeRO-Offload", gpu, host, 0.0, gpu <= vram and host <= ram, compute_s, link_s, 0.0))
-    slot = shape.largest_block * cd
+    slot = shape.slot_bytes(cd)
     for name in COMPRESSIONS:
         rows.append(_megatrain_row(name, shape, workload, machine, act, slot, compute_s, vram, ram, disk))
     return Plan(shape, machine, workload, act / GB, slot / GB, tuple(rows), compression)
