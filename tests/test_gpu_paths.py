@@ -124,6 +124,35 @@ def test_offload_keeps_no_reference_to_the_gradients(model, monkeypatch):
     grads.close()
 
 
+def test_pageable_staging_is_copied_by_the_worker(model, plain, monkeypatch):
+    """Where page-locking failed, a device-to-host copy into the pageable staging buffer would block the
+    compute thread until the device caught up: the worker copies instead, holding the gradients until
+    then; the training is unchanged. (On the CPU every staging buffer is pageable: forced here.)"""
+    monkeypatch.setattr(HostGrads, "_worker_copies", lambda self, staging: True)
+    blocks = discover_blocks(copy.deepcopy(model))
+    grads = HostGrads(HostStore(blocks), torch.device("cpu"), EngineStats(), asynchronous=True)
+    taken, take = [], HostGrads._take_staging
+    monkeypatch.setattr(HostGrads, "_take_staging", lambda self: taken.append(take(self)) or taken[-1])
+    gate = threading.Event()
+    grads._worker.submit(gate.wait, 10)  # the worker is busy: what happens before it runs is this thread's
+    grad = torch.full(blocks[0].params[0].shape, 3.0)
+    alive = weakref.ref(grad)
+    grads.offload(0, {0: grad}, final=True, then=lambda: None)
+    del grad
+    gc.collect()
+    assert alive() is not None, "the gradient must stay alive until the worker has copied it"
+    assert not taken[0].any(), "the compute thread copied into pageable staging"
+    gate.set()
+    grads.flush()
+    assert alive() is None
+    assert torch.equal(
+        blocks[0].views(grads.store.read(0, "grad"))[0], torch.full(blocks[0].params[0].shape, 3.0)
+    )
+    grads.close()
+    monkeypatch.setattr(engine_module, "HostGrads", functools.partial(HostGrads, asynchronous=True))
+    assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=STEPS, accumulate_grad_batches=2))
+
+
 def test_checkpoint_saves_and_restores_the_cuda_rng_state(model, tmp_path, monkeypatch):
     """On CUDA the root device's generator (dropout) is saved and restored with the CPU's; a checkpoint
     without it (saved on the CPU, or by an older version) still loads. The device is faked on the CPU."""

@@ -89,9 +89,9 @@ class HostGrads:
             self._room.release()
             raise
         try:
-            on_host, copied = self._copy_out(block, grads, staging)
+            on_host, copied, late = self._copy_out(block, grads, staging)
             self._pending.append(
-                self._worker.submit(self._finish, block, on_host, final, then, staging, copied)
+                self._worker.submit(self._finish, block, on_host, final, then, staging, copied, late)
             )
         except BaseException:
             self._give_back(staging)
@@ -99,19 +99,28 @@ class HostGrads:
 
     def _copy_out(
         self, block: int, grads: dict[int, Tensor], staging: Tensor
-    ) -> tuple[dict[int, Tensor], torch.cuda.Event | None]:
+    ) -> tuple[dict[int, Tensor], torch.cuda.Event | None, dict[int, Tensor] | None]:
         """Copy ``grads`` into ``staging`` (on CUDA: queued on the offload stream, with the event the worker
-        waits for); return the host views by parameter index. Each gradient keeps its dtype (fp32 or the
-        compute dtype, as its slot parameter), at its parameter's fp32 place in the staging bytes."""
+        waits for); return the host views by parameter index, the event and the gradients left for the
+        worker to copy. Each gradient keeps its dtype (fp32 or the compute dtype, as its slot parameter), at
+        its parameter's fp32 place in the staging bytes."""
         params = self.store.blocks[block].params
         on_host = {}
         for i, grad in grads.items():
             start = params[i].offset * 4
             on_host[i] = staging[start : start + grad.nbytes].view(grad.dtype).view(params[i].shape)
+        if self._worker_copies(staging):
+            # Page-locking failed: a copy into pageable memory returns only once done, so this thread would
+            # wait for the device. The worker copies once the gradients exist, holding them until then.
+            computed = None
+            if self._stream is not None:
+                computed = torch.cuda.Event(blocking=True)
+                computed.record(torch.cuda.current_stream(self.device))
+            return on_host, computed, dict(grads)
         if self._stream is None:
             for index, grad in grads.items():
                 on_host[index].copy_(grad)
-            return on_host, None
+            return on_host, None, None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for index, grad in grads.items():
@@ -121,7 +130,7 @@ class HostGrads:
                 grad.record_stream(self._stream)
             copied = torch.cuda.Event(blocking=True)  # the worker sleeps on it instead of spinning
             copied.record(self._stream)
-        return on_host, copied
+        return on_host, copied, None
 
     def flush(self) -> None:
         """Wait until every offload issued so far has been added to the accumulation buffers; raise the
@@ -146,6 +155,10 @@ class HostGrads:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
+    def _worker_copies(self, staging: Tensor) -> bool:
+        """Whether the worker, not the compute thread, copies into ``staging``: on CUDA if it is pageable."""
+        return self._stream is not None and not staging.is_pinned()
+
     def _finish(
         self,
         block: int,
@@ -154,11 +167,18 @@ class HostGrads:
         then: Callable[[], None],
         staging: Tensor,
         copied: torch.cuda.Event | None,
+        late: dict[int, Tensor] | None,
     ) -> None:
-        """In the worker: once the device-to-host copy (if any) is done, add the gradients, then ``then``."""
+        """In the worker: once the device-to-host copy (if any) is done, or ``late`` is copied, add the
+        gradients, then ``then``."""
         try:
             if copied is not None:
                 copied.synchronize()
+            if late is not None:
+                with torch.cuda.stream(self._stream):  # no stream on the CPU: a no-op
+                    for index, grad in late.items():
+                        on_host[index].copy_(grad)
+                late.clear()  # the device memory goes back to the allocator now
             self._accumulate(block, on_host, final)
         finally:
             self._give_back(staging)
