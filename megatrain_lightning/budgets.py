@@ -20,6 +20,7 @@ from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_disk_space,
+    check_host_ram,
     missing_dirs,
     prepare_offload_dir,
     remove_empty_dirs,
@@ -111,6 +112,8 @@ def _disk_tier(
             default = min(sizing.disk_files_bytes(blocks), available_ram_bytes() // 2)
         threads = strategy.optimizer_threads
         cache = sizing.cache_bytes_for(blocks, num_slots, threads, strategy.max_cpu_gb, default)
+        if strategy.root_device.type == "cuda":  # the cache and the offload's staging are page-locked
+            check_host_ram(cache / _GB, sizing.staging_bytes(max(b.numel for b in blocks)))
     except BaseException:
         remove_empty_dirs(created)  # a refused run leaves no empty folder behind
         raise

@@ -21,10 +21,12 @@ from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.serialization.checkpoint import CheckpointDir
 from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.memory import pages
 from megatrain_lightning.telemetry.stats import EngineStats
 
 STEPS = 3
 MAX_IN_FLIGHT = 2  # HostGrads' default
+KINDS = ("param", "grad", "exp_avg", "exp_avg_sq")
 SLOW_ADD_S = 0.02  # the injected host add: far slower than a tiny block's backward
 
 
@@ -91,6 +93,11 @@ def test_offload_backlog_is_bounded_and_trains_exactly(model, plain, monkeypatch
     assert backlog.peak == MAX_IN_FLIGHT, f"{backlog.peak} offloads in flight at once"
     assert 1 <= backlog.staging <= MAX_IN_FLIGHT, f"{backlog.staging} staging buffers"
     assert run.trainer.strategy.stats.offload_wait_s > 0
+    # host_bytes counts what is held (whole pages: pinned for exactly those on CUDA), staging included.
+    store = run.trainer.strategy.engine.store
+    held = sum(pages(store.layout(b, k)[1] * 4) for b in range(len(store.blocks)) for k in KINDS)
+    staging = backlog.staging * pages(4 * max(b.numel for b in store.blocks))
+    assert store.nbytes() == held and run.trainer.strategy.stats.host_bytes == held + staging
     monkeypatch.undo()
     assert_same_training(plain, run)
 

@@ -66,9 +66,10 @@ def test_weights_move_into_the_store_and_the_originals_are_freed():
     numel = sum(p.numel() for p in params)
     padding = 4 * 256 * len(params)  # each parameter starts on a 256-element boundary
     stats = trainer.strategy.stats
-    assert 4 * numel <= trainer.strategy.engine.store.nbytes("param") <= 4 * numel + padding
+    pages = 4096 * len(trainer.strategy.engine.blocks)  # each buffer is whole pages
+    assert 4 * numel <= trainer.strategy.engine.store.nbytes("param") <= 4 * numel + padding + pages
     # store: master + grad + exp_avg + exp_avg_sq = 16 bytes per parameter
-    assert 16 * numel <= stats.host_bytes <= 4 * (4 * numel + padding)
+    assert 16 * numel <= stats.host_bytes <= 4 * (4 * numel + padding + pages)
     assert stats.peak_slot_bytes > 0 and stats.fetch_wait_s >= 0
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from megatrain_lightning.engine.futures import fresh_copy
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.memory import host_empty
+from megatrain_lightning.store.sizing import STAGING_BUFFERS
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
@@ -41,7 +42,7 @@ class HostGrads:
         device: torch.device,
         stats: EngineStats,
         asynchronous: bool | None = None,
-        max_in_flight: int = 2,
+        max_in_flight: int = STAGING_BUFFERS,
     ) -> None:
         self.store = store
         self.stats = stats
@@ -56,6 +57,7 @@ class HostGrads:
         self.max_in_flight = max_in_flight
         self._room = threading.BoundedSemaphore(max_in_flight)
         self._staging: list[Tensor] = []  # free byte buffers (at most max_in_flight)
+        self.staging_bytes = 0  # allocated so far (page-locked on CUDA)
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
@@ -227,4 +229,6 @@ class HostGrads:
         if self._staging:
             return self._staging.pop()
         nbytes = max(b.numel for b in self.store.blocks) * 4
-        return host_empty(nbytes, torch.uint8, self.store.pin_memory)
+        staging = host_empty(nbytes, torch.uint8, self.store.pin_memory)
+        self.staging_bytes += staging.untyped_storage().nbytes()
+        return staging

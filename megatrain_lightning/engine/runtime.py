@@ -324,7 +324,7 @@ class Engine:
             self.optimizer.wait_all()
 
     def update_host_bytes(self) -> None:
-        self.stats.host_bytes = self.store.nbytes()
+        self.stats.host_bytes = self.store.nbytes() + self.grads.staging_bytes
 
     def _access_kinds(self, backward: bool, next_pass: bool) -> tuple[str, ...]:
         """What an access uses from the store: weights; in backward also the gradient accumulator and,

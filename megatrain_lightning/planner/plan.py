@@ -15,9 +15,12 @@ where the megatrain store is 4 B/param of fp32 master weights plus the Adam stat
 2 + 4/256 + 4/128 (int8: m in blocks of 256, v in blocks of 128, one fp32 scale per block) or
 1 + 8/128 (int4: m and v in blocks of 128) B/param. The host tier is chosen when the store and
 the gradient buffer fit in RAM; otherwise both live on disk (as the strategy lays them out) and
-the RAM caches them, at least the blocks in use. Activations assume per-block checkpointing
-(block-boundary hidden states, one block's full activations for the recompute, and the logits)
-unless the workload turns it off; attention is assumed memory-efficient (no seq x seq scores).
+the RAM caches them, at least the blocks in use. Beside either, the gradient offload pins two
+staging buffers of the largest block in fp32. A slot holds the largest block on the device, in the
+compute dtype except what stays fp32 under mixed precision (embeddings, norms, biases).
+Activations assume per-block checkpointing (block-boundary hidden states, one block's full
+activations for the recompute, and the logits) unless the workload turns it off; attention is
+assumed memory-efficient (no seq x seq scores).
 
 The step-time lower bound is the largest of compute (6 x params x tokens / FLOP/s), link
 transfer (weights in for forward and backward in the compute dtype, fp32 gradients out, per
@@ -44,7 +47,7 @@ from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.slots import mixed_fp32_numels
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
-from megatrain_lightning.store.sizing import working_blocks
+from megatrain_lightning.store.sizing import staging_bytes, working_blocks
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -315,18 +318,19 @@ def _megatrain_row(
     n = shape.num_params
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
     block = MASTER_BYTES * shape.largest_block  # one kind (weights, gradient, m or v) of the largest block
+    staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
     num_slots = min(max(int((vram - act) // slot), 0), shape.num_blocks)
     gpu_need = MIN_SLOTS * slot + act
-    if store <= ram:
-        tier, cache, host_need, disk_need = "host", store, store, 0.0
+    if store + staging <= ram:
+        tier, cache, host_need, disk_need = "host", store, store + staging, 0.0
     else:
         tier, disk_need = "disk", store
-        num_slots = min(num_slots, max(int(ram // block) - WORKING_BLOCKS, 0))
-        cache = min(ram, store)
-        host_need = (MIN_SLOTS + WORKING_BLOCKS) * block
+        num_slots = min(num_slots, max(int((ram - staging) // block) - WORKING_BLOCKS, 0))
+        cache = max(min(ram - staging, store), 0.0)
+        host_need = (MIN_SLOTS + WORKING_BLOCKS) * block + staging
     fits = num_slots >= 1 and gpu_need <= vram and host_need <= ram and disk_need <= disk
     # What the chosen settings use; where they do not fit, the least megatrain needs.
-    gpu, host = (num_slots * slot + act, cache) if fits else (gpu_need, host_need)
+    gpu, host = (num_slots * slot + act, cache + staging) if fits else (gpu_need, host_need)
     micro = workload.micro_batches
     cd = DTYPE_BYTES[workload.compute_dtype]
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
@@ -403,7 +407,8 @@ LEGEND = (
     "  ZeRO-Offload weights in the compute dtype and activations; megatrain its slots (slots x GB per",
     "  slot) and activations.",
     "host GB: RAM used: ZeRO-Offload fp32 weights and Adam state; megatrain the store and gradients (host",
-    "  tier) or their cache (disk tier), = cache GB. disk GB: the disk tier's files.",
+    "  tier) or their cache (disk tier), = cache GB, plus the gradient offload's two page-locked staging",
+    "  buffers (the largest block in fp32 each). disk GB: the disk tier's files.",
     "fits: within the machine less the reserve; for megatrain, at its least (2 slots, the blocks in use).",
     "  A row that does not fit shows that least need. tier, slots, prefetch, cache GB: megatrain's settings.",
     "step >= s: a lower bound on one optimizer step, set by the slowest of compute, link and disk (bound).",

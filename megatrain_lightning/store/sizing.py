@@ -15,6 +15,8 @@ from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import pages
 
 FP32_BYTES = 4
+# The gradient offload's staging buffers on CUDA (page-locked), each the largest block in fp32.
+STAGING_BUFFERS = 2
 KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the block an optimizer thread updates
 IN_FLIGHT = 3  # a gradient being offloaded, a write-back, the next fetch
 _GB = 1e9
@@ -23,6 +25,11 @@ _GB = 1e9
 def working_blocks(num_slots: int, optimizer_threads: int = 1) -> int:
     """Blocks of one fp32 kind the disk tier's cache must hold at once."""
     return num_slots + KINDS_PER_UPDATE * optimizer_threads + IN_FLIGHT
+
+
+def staging_bytes(largest_numel: int) -> int:
+    """Page-locked host memory of the gradient offload's staging buffers (on CUDA)."""
+    return STAGING_BUFFERS * pages(FP32_BYTES * largest_numel)
 
 
 def region_bytes(blocks: list[Block]) -> int:
