@@ -1,4 +1,5 @@
-"""Precision for megatrain: master weights always fp32 in the store; slots in the compute dtype."""
+"""Precision for megatrain: master weights always fp32 in the store; slots in the compute dtype (per
+parameter: ``engine/slots.py``)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from conftest import assert_same_training, tiny_model, user_fit
+from conftest import UserLM, assert_same_training, fit_module, tiny_model, user_fit
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine import runtime as engine_module
@@ -109,3 +109,20 @@ def test_bf16_mixed_trains_bitwise_like_lightnings(model, plain, arch, variant, 
         shape = dict(model.named_parameters())[name].shape
         fp32 = len(shape) <= 1 or name in embeddings
         assert dtypes == {torch.float32 if fp32 else torch.bfloat16}, name
+
+
+def test_a_second_fit_in_another_precision_lays_the_slots_out_anew(model):
+    """The same module fitted in ``32-true``, then in ``bf16-mixed`` (the engine is reconfigured: new
+    slots, new layout), trains as the default strategy does."""
+    runs = []
+    for megatrain in (False, True):
+        module = UserLM(copy.deepcopy(model))
+        first = fit_module(module, MegaTrainStrategy() if megatrain else "auto", steps=2)
+        second = fit_module(
+            module, MegaTrainStrategy() if megatrain else "auto", steps=2, precision="bf16-mixed"
+        )
+        runs.append((first, second))
+    (plain_first, plain_second), (first, second) = runs
+    assert second.trainer.strategy.engine.pager.layout.compute_dtype == torch.bfloat16
+    assert_same_training(plain_first, first, loss_rtol=0, param_atol=0)
+    assert_same_training(plain_second, second, loss_rtol=0, param_atol=0)
