@@ -2,11 +2,13 @@
 
 This is the one place that decides a parameter's dtype on the device (a host-side copy in the compute
 dtype must follow :func:`param_dtype` too). Under ``"bf16-mixed"`` Lightning keeps fp32 weights and
-lets autocast cast them for the ops it lists (matmuls): a weight only those ops read may sit in the
-slot in bf16, rounded as autocast would round it. Embeddings (the lookup is on no autocast list: an
-fp32 table keeps the residual stream fp32) and one-dimensional parameters (norm weights and biases,
-read by elementwise ops that autocast leaves in fp32) stay fp32 in the slot, so their values and their
-gradients are fp32 as under Lightning's ``bf16-mixed``.
+lets autocast cast them for the ops it lists (matmuls, convolutions). A weight that only such an op
+reads may sit in the slot in bf16, rounded as autocast would round it: the weight of an ``nn.Linear``,
+an ``nn.Conv*d`` or Hugging Face's ``Conv1D`` whose forward is the stock one. Every other parameter
+stays fp32, as Lightning's: embeddings (the lookup is on no autocast list: an fp32 table keeps the
+residual stream fp32), norm weights and biases (elementwise ops that autocast leaves in fp32), and
+parameters that models read in their own ways (mixture-of-experts weights fed to grouped matmuls or
+upcast with ``.float()``, state-space ``A_log``, ...). Their values and gradients are then fp32 too.
 
 A slot is a byte buffer. A block fills it with *runs*: stretches of its flat store layout whose
 parameters share a dtype, each copied in one transfer; with one dtype (``"32-true"``, ``"bf16-true"``)
@@ -24,21 +26,24 @@ from torch import Tensor, nn
 from megatrain_lightning.store.layout import ALIGN, Block
 
 RUN_ALIGN = ALIGN * 4  # bytes: every run starts ALIGN fp32 elements into the slot
+_AUTOCAST_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # forward: one op autocast casts for
+
+
+def _autocast_weight(owner: nn.Module, attr: str) -> bool:
+    """Whether ``owner.<attr>`` is a weight its module's stock forward hands to an op autocast casts for."""
+    if attr != "weight":
+        return False
+    if any(type(owner).forward is cls.forward for cls in _AUTOCAST_MODULES if isinstance(owner, cls)):
+        return True
+    return type(owner).__name__ == "Conv1D" and type(owner).__module__ == "transformers.pytorch_utils"
 
 
 def param_dtype(block: Block, index: int, compute_dtype: torch.dtype, mixed: bool) -> torch.dtype:
     """The dtype of ``block``'s parameter ``index`` on the device; ``mixed``: autocast (``bf16-mixed``)."""
     if not mixed or compute_dtype == torch.float32:
         return compute_dtype
-    if len(block.params[index].shape) <= 1:
-        return torch.float32
-    embedding = any(
-        isinstance(binding.owner, (nn.Embedding, nn.EmbeddingBag))
-        for site in block.sites
-        for binding in site.bindings
-        if binding.index == index
-    )
-    return torch.float32 if embedding else compute_dtype
+    owners = [b for site in block.sites for b in site.bindings if b.index == index]
+    return compute_dtype if all(_autocast_weight(b.owner, b.attr) for b in owners) else torch.float32
 
 
 def mixed_fp32_numels(blocks: list[Block]) -> list[int]:
