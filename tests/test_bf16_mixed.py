@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 from conftest import UserLM, assert_same_training, fit_module, tiny_model, user_fit
+from zoo import tiny_zoo_model
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine import runtime as engine_module
@@ -126,3 +127,13 @@ def test_a_second_fit_in_another_precision_lays_the_slots_out_anew(model):
     assert second.trainer.strategy.engine.pager.layout.compute_dtype == torch.bfloat16
     assert_same_training(plain_first, first, loss_rtol=0, param_atol=0)
     assert_same_training(plain_second, second, loss_rtol=0, param_atol=0)
+
+
+def test_a_block_input_read_by_several_matmuls_sums_their_gradients_in_fp32():
+    """OLMo-2 feeds a layer's fp32 input straight to q, k and v (post-norm): autocast must cast it anew at
+    each use, as it does the previous layer's output under plain PyTorch, so the three input gradients
+    are summed in fp32 (a cast shared through autocast's cache summed them in bf16: ~6e-3 weight
+    differences after one step)."""
+    model = tiny_zoo_model("olmo2")
+    plain = user_fit(model, "auto", steps=2, precision="bf16-mixed")
+    assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=2, precision="bf16-mixed"), 0, 0)
