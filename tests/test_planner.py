@@ -11,17 +11,16 @@ from transformers import AutoModelForCausalLM
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.planner.plan import (
-    LEGEND,
     RESERVE,
     Machine,
     ModelShape,
     Workload,
     activation_bytes,
-    format_plan,
     load_shape,
     plan_for,
     recommend,
 )
+from megatrain_lightning.planner.table import LEGEND, format_plan
 from megatrain_lightning.presets import llama_config, tiny_config
 from megatrain_lightning.store.sizing import staging_bytes
 
