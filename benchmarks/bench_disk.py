@@ -69,7 +69,7 @@ from bench_engine import (  # noqa: E402
 )
 
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
-from megatrain_lightning.models import llama_config  # noqa: E402
+from megatrain_lightning.presets import llama_config  # noqa: E402
 from megatrain_lightning.store.io import BlockFile, IOConfig  # noqa: E402
 from megatrain_lightning.store.memory import ALIGNMENT, host_empty  # noqa: E402
 

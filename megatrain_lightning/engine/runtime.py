@@ -5,6 +5,7 @@ binds the block's slot views into the module, runs, and unbinds. With autograd i
 through :class:`.paged_call.PagedCall`, an autograd function whose backward fetches the block again,
 recomputes the block (activation checkpointing) or replays its saved graph with the weights
 rebound to the new slot, computes the block's parameter gradients and offloads them at once.
+
 Data flows one way. The engine drives each step: it asks the pager for a block (the pager reads
 the store), runs it, hands the gradients to the offload (which adds them into the store) and, at a
 block's last use, submits its update to the optimizer (which changes the store). None of them calls
