@@ -222,7 +222,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=str(Path(__file__).with_name("convergence.json")))
     parser.add_argument("--out", default=str(Path(__file__).with_name("convergence.png")))
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="only merge these results: table and plot")
     args = parser.parse_args()
+    if args.report:
+        runs = [json.loads(Path(f).read_text()) for f in args.report]
+        results = [r for run in runs for r in run["results"]]
+        modes = [m for m in ["none", "int8", "int4", "int3", "int2"] if any(r["mode"] == m for r in results)]
+        print(runs[0]["header"])
+        print("\n".join(report(results, modes)))
+        plot(results, args.out, runs[0]["header"][:120])
+        return
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     torch.set_num_threads(args.threads)
     train_tokens, val_tokens = stdlib_tokens() if args.corpus == "stdlib" else shipped_tokens()
@@ -234,8 +243,8 @@ def main() -> None:
               f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(header, flush=True)
     results = []
-    for lr in args.lrs:
-        for seed in args.seeds:
+    for seed in args.seeds:
+        for lr in args.lrs:
             for mode in args.modes:
                 r = train(args, train_tokens, val, mode, lr, seed)
                 results.append(r)

@@ -229,8 +229,10 @@ template <int W>
 inline void unpack_codes(const uint8_t* __restrict in, uint8_t* __restrict out) {
   constexpr int PER = 8 / W;
   constexpr uint8_t MASK = (1u << W) - 1u;
-  for (int j = 0; j < CHUNK / PER; ++j)
-    for (int k = 0; k < PER; ++k) out[j * PER + k] = (uint8_t)((in[j] >> (k * W)) & MASK);
+  for (int j = 0; j < CHUNK / PER; ++j) {
+    const uint8_t b = in[j];
+    for (int k = 0; k < PER; ++k) out[j * PER + k] = (uint8_t)((b >> (k * W)) & MASK);
+  }
 }
 template <int W>
 inline void pack_codes(const uint8_t* __restrict in, uint8_t* __restrict out) {
@@ -255,10 +257,22 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
   alignas(64) uint32_t mab[CHUNK];
   alignas(64) uint8_t mcu[CHUNK];
   alignas(64) uint8_t vcu[CHUNK];
+  alignas(64) float y[CHUNK];      // normalized values to encode
+  alignas(64) int32_t idx[CHUNK];  // their codes
   unpack_codes<MW>(mc, mcu);
   unpack_codes<VW>(vc, vcu);
 
-  // decode, update (fp32), write the parameter
+  // decode the tables by selects over codes (no gathers: slow on CPUs with the gather-data-sampling
+  // mitigation), then update (fp32) and write the parameter
+  for (int i = 0; i < CHUNK; ++i) mn[i] = vn[i] = 0.0f;
+  for (int c = 0; c < MMap<MW>::L; ++c) {
+    const float t = MT.decode[c];
+    for (int i = 0; i < CHUNK; ++i) mn[i] = mcu[i] == c ? t : mn[i];
+  }
+  for (int c = 0; c < VMap<VW>::L; ++c) {
+    const float t = VMap<VW>::DECODE[c];
+    for (int i = 0; i < CHUNK; ++i) vn[i] = vcu[i] == c ? t : vn[i];
+  }
   for (int o = 0; o < CHUNK; o += SUB) {
     const float msc = ms[o / MB];
     const float vsc = vs[o / VB];
@@ -268,8 +282,8 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
       float pi = p[i];
       if (L2) gi = gi + pi * h.wd;
       pi = pi * h.decay;
-      float m = MT.decode[mcu[i]] * msc;
-      float v = VMap<VW>::DECODE[vcu[i]] * vsc;
+      float m = mn[i] * msc;
+      float v = vn[i] * vsc;
       m = m * h.b1 + gi * h.omb1;
       v = v * h.b2 + (gi * gi) * h.omb2;
       float den = std::sqrt(v) * h.ibc2 + h.eps;
@@ -301,11 +315,14 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float inv = A == 0.0f ? 0.0f : 1.0f / (S * pre);
     ms[o / MB] = S;
     for (int i = o; i < o + MB; ++i) {
-      float y = (bfloat(mab[i]) * pre) * inv;
-      int32_t idx = MMap<MW>::L - MMap<MW>::ZERO;
-      for (int k = 0; k < MMap<MW>::L - 1; ++k) idx += y > MT.mid[k];
-      mcu[i] = (uint8_t)(idx & (MMap<MW>::L - 1));
+      y[i] = (bfloat(mab[i]) * pre) * inv;
+      idx[i] = MMap<MW>::L - MMap<MW>::ZERO;
     }
+    for (int k = 0; k < MMap<MW>::L - 1; ++k) {  // thresholds outside: the element loop vectorizes
+      const float t = MT.mid[k];
+      for (int i = o; i < o + MB; ++i) idx[i] += y[i] > t;
+    }
+    for (int i = o; i < o + MB; ++i) mcu[i] = (uint8_t)(idx[i] & (MMap<MW>::L - 1));
   }
 
   // second moment: clean (negative/NaN -> 0, <= CLAMP), block max (at least V_FLOOR), log map
@@ -321,11 +338,14 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float inv = 1.0f / A;
     vs[o / VB] = A;
     for (int i = o; i < o + VB; ++i) {
-      float y = bfloat(mab[i]) * inv;
-      int32_t code = 0;
-      for (int k = 0; k < VMap<VW>::L - 1; ++k) code += y < VMap<VW>::TH[k];
-      vcu[i] = (uint8_t)code;
+      y[i] = bfloat(mab[i]) * inv;
+      idx[i] = 0;
     }
+    for (int k = 0; k < VMap<VW>::L - 1; ++k) {
+      const float t = VMap<VW>::TH[k];
+      for (int i = o; i < o + VB; ++i) idx[i] += y[i] < t;
+    }
+    for (int i = o; i < o + VB; ++i) vcu[i] = (uint8_t)idx[i];
   }
   pack_codes<MW>(mcu, mc);
   pack_codes<VW>(vcu, vc);
