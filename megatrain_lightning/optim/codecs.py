@@ -46,8 +46,9 @@ Error bounds per element x of a block whose cleaned absmax is A (checked by test
 
 * m, int8: ``|dec - x| <= 2^-4 * |x| * (1 + 2^-12) + 2^-18 / 1.875 * A + tiny`` (3 significant
   bits relative, absolute ``2.0e-6 * A`` below the smallest normal); in particular ``<= A / 30``.
-* m, table maps: ``|dec - x| <= g * A * (1 + 2^-12) + tiny`` with g half the largest gap of the map
-  (0.1125 for 4 bits, 0.25 for 2); the element of largest magnitude decodes exactly.
+* m, table maps: ``|dec - x| <= g * A * (1 + 2^-12) + tiny`` with g the larger of half the largest gap
+  of the map and its distance from -1 (0.1125 for 4 bits, 0.5 for 2); the element of largest magnitude
+  decodes exactly.
 * v, int8: with ``s = max(A, 2^-100) / 256``: ``|dec - x| <= s / 2 * (1 + 2^-12)`` for
   ``x >= s / 2`` and ``dec = s`` below; always ``dec >= s > 0``.
 * v, log map with step ``r`` octaves over ``L`` codes, ``S = max(A, 2^-100)``, ``lo = S * 2^(-r(L-1))``:
@@ -181,8 +182,8 @@ def num_scales(numel: int, kind: Kind, bits: int) -> int:
 
 
 def state_bytes(numel: int, bits: int) -> int:
-    """Bytes of m and v with their scales for ``numel`` elements: about 2.05 (int8), 1.08 (int4), 0.84
-    (int3) and 0.56 (int2) bytes per element, against 8 for fp32 moments."""
+    """Bytes of m and v with their scales for ``numel`` elements: about 2.05 (int8), 1.09 (int4), 0.88
+    (int3) and 0.69 (int2) bytes per element, against 8 for fp32 moments."""
     return sum(code_bytes(numel, k, bits) + 4 * num_scales(numel, k, bits) for k in ("m", "v"))
 
 
@@ -399,7 +400,10 @@ def max_relative_error(kind: Kind, bits: int) -> float:
     """The worst error as a fraction of the block absmax (the constant in the bounds above)."""
     fmt = _check(kind, bits)
     if kind == "m":
-        return 1 / 30 if bits == 8 else float(((fmt.m_sorted[1:] - fmt.m_sorted[:-1]) / 2).max())
+        if bits == 8:
+            return 1 / 30
+        t = fmt.m_sorted  # half the largest gap, or the distance from -1 (y's floor) to the smallest value
+        return max(float(((t[1:] - t[:-1]) / 2).max()), 1 + float(t[0]))
     return 1.0 / 256 if bits == 8 else 2 ** (fmt.v_octaves / 2) - 1
 
 
