@@ -89,6 +89,44 @@ struct MTables {
 };
 constexpr MTables<4> M4{};
 constexpr MTables<2> M2{};
+
+#if defined(__AVX512F__)
+// 16-lane copies of the tables for in-register lookups (permutexvar): decode tables padded with 0,
+// ascending m midpoints padded with 2 (above every normalized m), descending v thresholds padded with
+// -1 (below every normalized v).
+template <int N, int L>
+struct Padded16 {
+  alignas(64) float t[16];
+  constexpr Padded16(const float* src, float pad) : t() {
+    for (int i = 0; i < 16; ++i) t[i] = i < N ? src[i] : pad;
+  }
+};
+constexpr Padded16<16, 16> M4_DEC16(M4.decode, 0.0f), V4_DEC16(V4_DECODE, 0.0f);
+constexpr Padded16<4, 4> M2_DEC16(M2.decode, 0.0f), V2_DEC16(V2_DECODE, 0.0f);
+constexpr Padded16<15, 16> M4_MID16(M4.mid, 2.0f), V4_TH16(V4_TH, -1.0f);
+constexpr Padded16<3, 4> M2_MID16(M2.mid, 2.0f), V2_TH16(V2_TH, -1.0f);
+template <int W>
+inline __m512 m_decode16() { return _mm512_load_ps(W == 4 ? M4_DEC16.t : M2_DEC16.t); }
+template <int W>
+inline __m512 v_decode16() { return _mm512_load_ps(W == 4 ? V4_DEC16.t : V2_DEC16.t); }
+template <int W>
+inline __m512 m_mid16() { return _mm512_load_ps(W == 4 ? M4_MID16.t : M2_MID16.t); }
+template <int W>
+inline __m512 v_th16() { return _mm512_load_ps(W == 4 ? V4_TH16.t : V2_TH16.t); }
+
+// Branchless binary search over L - 1 sorted thresholds (padded to 16): the number of leading
+// thresholds for which ``pred(y, threshold)`` holds, when it holds for a prefix of them.
+template <int L, int PRED>
+inline __m512i count_prefix(__m512 y, __m512 th) {
+  __m512i idx = _mm512_setzero_si512();
+  for (int bit = L / 2; bit >= 1; bit >>= 1) {
+    __m512i probe = _mm512_add_epi32(idx, _mm512_set1_epi32(bit - 1));
+    __mmask16 hit = _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(probe, th), PRED);
+    idx = _mm512_mask_add_epi32(idx, hit, idx, _mm512_set1_epi32(bit));
+  }
+  return idx;
+}
+#endif
 template <int W>
 constexpr const MTables<W>& mtables() {
   if constexpr (W == 4) return M4;
@@ -229,6 +267,28 @@ template <int W>
 inline void unpack_codes(const uint8_t* __restrict in, uint8_t* __restrict out) {
   constexpr int PER = 8 / W;
   constexpr uint8_t MASK = (1u << W) - 1u;
+#if defined(__SSE2__)
+  // interleave the bit fields of 16 bytes at a time (SSE2 byte unpacks)
+  const __m128i mask = _mm_set1_epi8((char)MASK);
+  for (int j = 0; j < CHUNK / PER; j += 16) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)(in + j));
+    __m128i f[PER];
+    for (int k = 0; k < PER; ++k) f[k] = _mm_and_si128(_mm_srli_epi16(b, k * W), mask);
+    __m128i* o = (__m128i*)(out + j * PER);
+    if constexpr (PER == 2) {
+      _mm_storeu_si128(o, _mm_unpacklo_epi8(f[0], f[1]));
+      _mm_storeu_si128(o + 1, _mm_unpackhi_epi8(f[0], f[1]));
+    } else {
+      const __m128i lo01 = _mm_unpacklo_epi8(f[0], f[1]), hi01 = _mm_unpackhi_epi8(f[0], f[1]);
+      const __m128i lo23 = _mm_unpacklo_epi8(f[2], f[3]), hi23 = _mm_unpackhi_epi8(f[2], f[3]);
+      _mm_storeu_si128(o, _mm_unpacklo_epi16(lo01, lo23));
+      _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(lo01, lo23));
+      _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(hi01, hi23));
+      _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(hi01, hi23));
+    }
+  }
+  return;
+#endif
   for (int j = 0; j < CHUNK / PER; ++j) {
     const uint8_t b = in[j];
     for (int k = 0; k < PER; ++k) out[j * PER + k] = (uint8_t)((b >> (k * W)) & MASK);
@@ -251,19 +311,32 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
                    float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs, const Hyper& h,
                    int valid) {
   constexpr int SUB = MB < VB ? MB : VB;  // elements sharing both scales
-  constexpr auto& MT = mtables<MW>();
+  [[maybe_unused]] constexpr auto& MT = mtables<MW>();
   alignas(64) float mn[CHUNK];
   alignas(64) float vn[CHUNK];
   alignas(64) uint32_t mab[CHUNK];
   alignas(64) uint8_t mcu[CHUNK];
   alignas(64) uint8_t vcu[CHUNK];
+#if !defined(__AVX512F__)
   alignas(64) float y[CHUNK];      // normalized values to encode
   alignas(64) int32_t idx[CHUNK];  // their codes
+#endif
   unpack_codes<MW>(mc, mcu);
   unpack_codes<VW>(vc, vcu);
 
   // decode the tables by selects over codes (no gathers: slow on CPUs with the gather-data-sampling
   // mitigation), then update (fp32) and write the parameter
+#if defined(__AVX512F__)
+  {
+    const __m512 mt = m_decode16<MW>(), vt = v_decode16<VW>();
+    for (int i = 0; i < CHUNK; i += 16) {
+      __m512i cm = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(mcu + i)));
+      __m512i cv = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(vcu + i)));
+      _mm512_store_ps(mn + i, _mm512_permutexvar_ps(cm, mt));
+      _mm512_store_ps(vn + i, _mm512_permutexvar_ps(cv, vt));
+    }
+  }
+#else
   for (int i = 0; i < CHUNK; ++i) mn[i] = vn[i] = 0.0f;
   for (int c = 0; c < MMap<MW>::L; ++c) {
     const float t = MT.decode[c];
@@ -273,6 +346,7 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float t = VMap<VW>::DECODE[c];
     for (int i = 0; i < CHUNK; ++i) vn[i] = vcu[i] == c ? t : vn[i];
   }
+#endif
   for (int o = 0; o < CHUNK; o += SUB) {
     const float msc = ms[o / MB];
     const float vsc = vs[o / VB];
@@ -300,6 +374,23 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
   // first moment: clean (NaN -> 0, |x| <= CLAMP), signed block max, encode
   for (int o = 0; o < CHUNK; o += MB) {
     uint32_t amax = 0, pmax = 0;
+#if defined(__AVX512F__)
+    {
+      const __m512i zero = _mm512_setzero_si512(), inf = _mm512_set1_epi32((int)INF_BITS);
+      const __m512i clamp = _mm512_set1_epi32((int)CLAMP_BITS), abs_mask = _mm512_set1_epi32(0x7fffffff);
+      __m512i am = zero, pm = zero;
+      for (int i = o; i < o + MB; i += 16) {
+        __m512i u = _mm512_load_si512(mn + i);
+        __m512i a = _mm512_and_si512(u, abs_mask);
+        a = _mm512_min_epu32(_mm512_mask_mov_epi32(a, _mm512_cmpgt_epu32_mask(a, inf), zero), clamp);
+        _mm512_store_si512(mab + i, _mm512_or_si512(a, _mm512_andnot_si512(abs_mask, u)));
+        am = _mm512_max_epu32(am, a);
+        pm = _mm512_max_epu32(pm, _mm512_mask_mov_epi32(a, _mm512_cmplt_epi32_mask(u, zero), zero));
+      }
+      amax = _mm512_reduce_max_epu32(am);
+      pmax = _mm512_reduce_max_epu32(pm);
+    }
+#else
     for (int i = o; i < o + MB; ++i) {
       uint32_t u = fbits(mn[i]);
       uint32_t a = u & 0x7fffffffu;
@@ -309,11 +400,23 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
       uint32_t pos = (u >> 31) ? 0u : a;
       pmax = pos > pmax ? pos : pmax;
     }
+#endif
     const float A = bfloat(amax);
     const float S = pmax >= amax ? A : -A;
     const float pre = prescale(A);
     const float inv = A == 0.0f ? 0.0f : 1.0f / (S * pre);
     ms[o / MB] = S;
+#if defined(__AVX512F__)
+    {
+      const __m512 th = m_mid16<MW>(), vpre = _mm512_set1_ps(pre), vinv = _mm512_set1_ps(inv);
+      const __m512i off = _mm512_set1_epi32(MMap<MW>::L - MMap<MW>::ZERO), mask = _mm512_set1_epi32(MMap<MW>::L - 1);
+      for (int i = o; i < o + MB; i += 16) {
+        __m512 yv = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(mab + i)), vpre), vinv);
+        __m512i code = _mm512_and_si512(_mm512_add_epi32(count_prefix<MMap<MW>::L, _CMP_GT_OQ>(yv, th), off), mask);
+        _mm_store_si128((__m128i*)(mcu + i), _mm512_cvtepi32_epi8(code));
+      }
+    }
+#else
     for (int i = o; i < o + MB; ++i) {
       y[i] = (bfloat(mab[i]) * pre) * inv;
       idx[i] = MMap<MW>::L - MMap<MW>::ZERO;
@@ -323,20 +426,46 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
       for (int i = o; i < o + MB; ++i) idx[i] += y[i] > t;
     }
     for (int i = o; i < o + MB; ++i) mcu[i] = (uint8_t)(idx[i] & (MMap<MW>::L - 1));
+#endif
   }
 
   // second moment: clean (negative/NaN -> 0, <= CLAMP), block max (at least V_FLOOR), log map
   for (int o = 0; o < CHUNK; o += VB) {
     uint32_t vmax = fbits(V_FLOOR);
+#if defined(__AVX512F__)
+    {
+      const __m512i zero = _mm512_setzero_si512(), inf = _mm512_set1_epi32((int)INF_BITS);
+      const __m512i clamp = _mm512_set1_epi32((int)CLAMP_BITS);
+      __m512i vm = _mm512_set1_epi32((int)vmax);
+      for (int i = o; i < o + VB; i += 16) {
+        __m512i u = _mm512_load_si512(vn + i);  // negative values and NaN compare above inf: 0
+        u = _mm512_min_epu32(_mm512_mask_mov_epi32(u, _mm512_cmpgt_epu32_mask(u, inf), zero), clamp);
+        _mm512_store_si512(mab + i, u);
+        vm = _mm512_max_epu32(vm, u);
+      }
+      vmax = _mm512_reduce_max_epu32(vm);
+    }
+#else
     for (int i = o; i < o + VB; ++i) {
       uint32_t u = fbits(vn[i]);
       u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);
       mab[i] = u;
       vmax = u > vmax ? u : vmax;
     }
+#endif
     const float A = bfloat(vmax);
     const float inv = 1.0f / A;
     vs[o / VB] = A;
+#if defined(__AVX512F__)
+    {
+      const __m512 th = v_th16<VW>(), vinv = _mm512_set1_ps(inv);
+      for (int i = o; i < o + VB; i += 16) {
+        __m512 yv = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(mab + i)), vinv);
+        __m512i code = count_prefix<VMap<VW>::L, _CMP_LT_OQ>(yv, th);  // thresholds above y
+        _mm_store_si128((__m128i*)(vcu + i), _mm512_cvtepi32_epi8(code));
+      }
+    }
+#else
     for (int i = o; i < o + VB; ++i) {
       y[i] = bfloat(mab[i]) * inv;
       idx[i] = 0;
@@ -346,6 +475,7 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
       for (int i = o; i < o + VB; ++i) idx[i] += y[i] < t;
     }
     for (int i = o; i < o + VB; ++i) vcu[i] = (uint8_t)idx[i];
+#endif
   }
   pack_codes<MW>(mcu, mc);
   pack_codes<VW>(vcu, vc);
