@@ -3,10 +3,12 @@
 // re-encoded while it sits in L1. Plain C ABI (loaded with ctypes by quantized.py, which compiles
 // this file on first use), OpenMP across chunks, one contiguous range of chunks per thread.
 //
-// Three code paths, chosen at compile time: AVX-512 (pass1_avx512 / pass2_avx512), AVX2 and the
-// portable scalar ``chunk``. Every floating-point operation is mirrored one for one by the
-// pure-torch fallback in quantized.py, so all of them give bit-identical results: build with
-// -ffp-contract=off and without -ffast-math (no FMA contraction, no reassociation).
+// int8 has three code paths, chosen at compile time: AVX-512 (pass1_avx512 / pass2_avx512), AVX2 and
+// the portable scalar ``chunk8``. The table formats (int4, int3, int2) share ``tchunk``: AVX-512
+// lookups and searches where available, loops the compiler vectorizes otherwise. Every
+// floating-point operation is mirrored one for one by the pure-torch fallback in quantized.py, so
+// all of them give bit-identical results: build with -ffp-contract=off and without -ffast-math (no
+// FMA contraction, no reassociation).
 
 #include <algorithm>
 #include <cmath>
