@@ -1,4 +1,4 @@
-"""Compressed-state AdamW throughput: megatrain's fused int8 / int4 / int3 / int2 step against its memory floor,
+"""Compressed-state AdamW throughput: megatrain's fused int8/int4/int3/int2 step against its memory floor,
 ``torch.optim.AdamW(fused=True)`` (fp32 state) and the CPU low-bit optimizers that exist today.
 
 One ``--numel``-parameter block (100M by default), ``--threads`` torch threads (2). Each round
@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatrain_lightning.optim import codecs
-from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.optim import kernel as K
 from megatrain_lightning.optim import quantized as Q
+from megatrain_lightning.optim.adamw import COMPRESSIONS
 
 MODES = {name: bits for name, bits in COMPRESSIONS.items() if bits}  # int8, int4, int3, int2
 HP = dict(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from realtext import batches, stdlib_tokens
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from realtext import batches, fixed_batches, stdlib_tokens
 from megatrain_lightning.presets import tiny_config
 
 M4_LI = [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
@@ -326,10 +326,10 @@ def state_errors(args) -> None:
         if c != "fp32":
             print(f"| {c} | {sum(err[('m', c)]) / len(err[('m', c)]):.4f} |")
     print("\n| v format | v error | update error (fp32 m) |\n| --- | ---: | ---: |")
+    mean = {key: sum(values) / len(values) for key, values in err.items() if values}
     for c in V_CANDIDATES:
         if c != "fp32":
-            mean = lambda k: sum(err[(k, c)]) / len(err[(k, c)])  # noqa: E731
-            print(f"| {c} | {mean('v'):.4f} | {mean('u'):.4f} |")
+            print(f"| {c} | {mean[('v', c)]:.4f} | {mean[('u', c)]:.4f} |")
 
 
 def main() -> None:

@@ -156,7 +156,7 @@ def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, s
         loss = lm_loss(model, next(data))
         loss.backward()
         opt.step(lr_at(step, lr, args.warmup, args.steps))
-        train_losses.append(float(loss))
+        train_losses.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, val_loss(model, val)))
     return dict(mode=mode, lr=lr, seed=seed, final=curve[-1][1], curve=curve, train=train_losses,
@@ -222,7 +222,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=str(Path(__file__).with_name("convergence.json")))
     parser.add_argument("--out", default=str(Path(__file__).with_name("convergence.png")))
-    parser.add_argument("--report", nargs="+", metavar="JSON", help="only merge these results: table and plot")
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSON", help="only merge these results: table and plot"
+    )
     args = parser.parse_args()
     if args.report:
         runs = [json.loads(Path(f).read_text()) for f in args.report]
@@ -237,10 +239,12 @@ def main() -> None:
     train_tokens, val_tokens = stdlib_tokens() if args.corpus == "stdlib" else shipped_tokens()
     val = fixed_batches(val_tokens, args.val_batches, 64, args.seq + 1)
     n_params = sum(p.numel() for p in make_model(args.hidden, args.layers, 0).parameters())
-    header = (f"{args.corpus} corpus ({train_tokens.numel() / 1e6:.2f}M train / {val_tokens.numel() / 1e6:.2f}M "
-              f"validation bytes), Llama {n_params / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} "
-              f"layers), {args.steps} steps of {args.batch} x {args.seq} tokens, warmup {args.warmup} + cosine, "
-              f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    header = (
+        f"{args.corpus} corpus ({train_tokens.numel() / 1e6:.2f}M train / {val_tokens.numel() / 1e6:.2f}M "
+        f"validation bytes), Llama {n_params / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} layers), "
+        f"{args.steps} steps of {args.batch} x {args.seq} tokens, warmup {args.warmup} + cosine, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     print(header, flush=True)
     results = []
     for seed in args.seeds:
@@ -248,8 +252,8 @@ def main() -> None:
             for mode in args.modes:
                 r = train(args, train_tokens, val, mode, lr, seed)
                 results.append(r)
-                print(f"lr {lr:g} seed {seed} {mode:>5}: final val loss {r['final']:.4f} ({r['seconds']:.0f} s)",
-                      flush=True)  # fmt: skip
+                final = f"final val loss {r['final']:.4f} ({r['seconds']:.0f} s)"
+                print(f"lr {lr:g} seed {seed} {mode:>5}: {final}", flush=True)
                 Path(args.json).write_text(json.dumps(dict(header=header, args=vars(args), results=results)))
     print("\n".join(report(results, args.modes)))
     plot(results, args.out, header[:120])

@@ -35,7 +35,9 @@ def batches(tokens: Tensor, batch_size: int, seq_len: int, seed: int):
         yield torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
 
 
-def fixed_batches(tokens: Tensor, count: int, batch_size: int, seq_len: int, seed: int = 1234) -> list[Tensor]:
+def fixed_batches(
+    tokens: Tensor, count: int, batch_size: int, seq_len: int, seed: int = 1234
+) -> list[Tensor]:
     """The same ``count`` validation batches for every run."""
     it = batches(tokens, batch_size, seq_len, seed)
     return [next(it) for _ in range(count)]

@@ -73,7 +73,9 @@ def test_state_of_another_format_is_refused_clearly():
     with pytest.raises(ValueError, match="int4 format version 1"):
         optimizer.load_state_dict(old)
     with pytest.raises(ValueError, match="optimizer_compression='int3'"):
-        optimizer.load_state_dict({**saved, "codec": {"compression": "int3", "version": codecs.FORMAT_VERSION}})
+        optimizer.load_state_dict(
+            {**saved, "codec": {"compression": "int3", "version": codecs.FORMAT_VERSION}}
+        )
     optimizer.load_state_dict(saved)  # today's format loads
 
 

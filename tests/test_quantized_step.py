@@ -201,7 +201,11 @@ def test_slice_updates_only_its_elements(bits: int, use_kernel: bool) -> None:
         )
     before = [t.clone() for t in (param, grad, *state)]
     where = C.state_slices(a, b, bits)
-    alone = [param[a:b].clone(), grad[a:b].clone(), *(t[w].clone() for t, w in zip(state, where, strict=True))]
+    alone = [
+        param[a:b].clone(),
+        grad[a:b].clone(),
+        *(t[w].clone() for t, w in zip(state, where, strict=True)),
+    ]
     for step in (1, 2):
         Q.quantized_adamw_(param[a:b], grad[a:b], *(t[w] for t, w in zip(state, where, strict=True)),
                            bits=bits, step=step, use_kernel=use_kernel, **HP)  # fmt: skip

@@ -204,7 +204,9 @@ def prepare() -> str:
     """Build or find the kernel now (at ``setup``, before the first step), saying so while it compiles;
     returns :func:`backend`."""
     if _kernel is None and _kernel_error is None:
-        rank_zero_info(f"megatrain: preparing the compressed-state AdamW kernel (built once, in {cache_dir()})")
+        rank_zero_info(
+            f"megatrain: preparing the compressed-state AdamW kernel (built once, in {cache_dir()})"
+        )
         start = time.perf_counter()
         load_kernel()
         rank_zero_info(f"megatrain: AdamW kernel {backend()} ready in {time.perf_counter() - start:.1f} s")

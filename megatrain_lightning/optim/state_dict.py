@@ -121,14 +121,15 @@ def check_codec(compression: str, saved: dict[str, Any] | None) -> None:
     saved = saved or {"compression": compression, "version": 1}
     if saved["compression"] != compression:
         raise ValueError(
-            f"megatrain: the optimizer state was saved with `optimizer_compression={saved['compression']!r}`; "
-            f"resume it with that setting (this run uses {compression!r})."
+            "megatrain: the optimizer state was saved with "
+            f"`optimizer_compression={saved['compression']!r}`; resume it with that setting (this run uses "
+            f"{compression!r})."
         )
     if saved["version"] != codecs.FORMAT_VERSION and not (compression == "int8" and saved["version"] == 1):
         raise ValueError(
             f"megatrain: this {compression} optimizer state was stored in {compression} format version "
-            f"{saved['version']}, which changed in version {codecs.FORMAT_VERSION} (see optim/codecs.py); resume "
-            "it with the megatrain that wrote it, or train on from its weights with a fresh optimizer."
+            f"{saved['version']}, which changed in version {codecs.FORMAT_VERSION} (see optim/codecs.py); "
+            "resume it with the megatrain that wrote it, or train on from its weights with a fresh optimizer."
         )
 
 
