@@ -240,8 +240,9 @@ def main() -> None:
     val = fixed_batches(val_tokens, args.val_batches, 64, args.seq + 1)
     n_params = sum(p.numel() for p in make_model(args.hidden, args.layers, 0).parameters())
     header = (
-        f"{args.corpus} corpus ({train_tokens.numel() / 1e6:.2f}M train / {val_tokens.numel() / 1e6:.2f}M "
-        f"validation bytes), Llama {n_params / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} layers), "
+        f"{args.corpus} corpus ({train_tokens.numel() / 1e6:.2f}M train / "
+        f"{val_tokens.numel() / 1e6:.2f}M validation bytes), Llama {n_params / 1e6:.1f}M params "
+        f"(hidden {args.hidden}, {args.layers} layers), "
         f"{args.steps} steps of {args.batch} x {args.seq} tokens, warmup {args.warmup} + cosine, load average "
         f"{os.getloadavg()[0]:.1f}"
     )
