@@ -243,8 +243,8 @@ def main() -> None:
         f"{args.corpus} corpus ({train_tokens.numel() / 1e6:.2f}M train / "
         f"{val_tokens.numel() / 1e6:.2f}M validation bytes), Llama {n_params / 1e6:.1f}M params "
         f"(hidden {args.hidden}, {args.layers} layers), "
-        f"{args.steps} steps of {args.batch} x {args.seq} tokens, warmup {args.warmup} + cosine, load average "
-        f"{os.getloadavg()[0]:.1f}"
+        f"{args.steps} steps of {args.batch} x {args.seq} tokens, warmup {args.warmup} + cosine, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     print(header, flush=True)
     results = []
