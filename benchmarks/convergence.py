@@ -176,7 +176,9 @@ def report(results: list[dict], modes: list[str]) -> list[str]:
         for m in modes:
             if m == "none":
                 continue
-            changes = [(by[(m, s)] / by[("none", s)] - 1) * 100 for s in seeds if (m, s) in by]
+            changes = [
+                (by[(m, s)] / by[("none", s)] - 1) * 100 for s in seeds if (m, s) in by and ("none", s) in by
+            ]
             worst = max(changes, key=abs) if changes else float("nan")
             ok = "ok" if abs(worst) <= GOALS.get(m, 0) else "NOT met"
             cells.append(" / ".join(f"{c:+.2f}%" for c in changes) + f" ({ok})")
