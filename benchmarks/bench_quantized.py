@@ -1,12 +1,12 @@
-"""Compressed-state AdamW throughput: megatrain's fused int8 / int4 step against its memory floor,
+"""Compressed-state AdamW throughput: megatrain's fused int8/int4/int3/int2 step against its memory floor,
 ``torch.optim.AdamW(fused=True)`` (fp32 state) and the CPU low-bit optimizers that exist today.
 
 One ``--numel``-parameter block (100M by default), ``--threads`` torch threads (2). Each round
 times, back to back, the in-place memory bandwidth (``x.mul_(c)`` over ``--numel`` fp32: 8 bytes
-per element), our int8 and int4 steps and torch's fused AdamW, so that every ratio compares numbers
+per element), our steps in every format and torch's fused AdamW, so that every ratio compares numbers
 measured under the same background load; the report gives medians over rounds of the per-round
-figures. The *floor* of a step is its bytes moved per parameter (int8: param r/w 8 + grad 4 +
-codes r/w 2 + 2 + scales = 16.09; int4: 14.13; fp32 AdamW: 28) divided by that bandwidth; the goal
+figures. The *floor* of a step is its bytes moved per parameter (param r/w 8 + grad 4 + state r/w:
+int8 16.09, int4 14.19, int3 13.75, int2 13.38; fp32 AdamW: 28) divided by that bandwidth; the goal
 is each quantized step within 1.5x of its floor.
 
 Then, each once, if importable (never installed by this project; skipped with a message):
@@ -30,7 +30,9 @@ import torch
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import kernel as K
 from megatrain_lightning.optim import quantized as Q
+from megatrain_lightning.optim.adamw import COMPRESSIONS
 
+MODES = {name: bits for name, bits in COMPRESSIONS.items() if bits}  # int8, int4, int3, int2
 HP = dict(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 GOAL = 1.5  # step time / floor time
 
@@ -84,11 +86,10 @@ class TorchOptimizer:
 
 
 def bench_main(numel: int, rounds: int) -> dict[str, list[float]]:
-    """Rounds of [bandwidth, int8, int4, fused fp32], interleaved; seconds per call."""
+    """Rounds of [bandwidth, each format, fused fp32], interleaved; seconds per call."""
     x = torch.randn(numel)
     runs = {
-        "int8": Ours(numel, 8),
-        "int4": Ours(numel, 4),
+        **{name: Ours(numel, bits) for name, bits in MODES.items()},
         "torch fused fp32": TorchOptimizer(
             numel, lambda ps: torch.optim.AdamW(ps, fused=True, **_torch_hp())
         ),
@@ -116,7 +117,7 @@ def report_main(times: dict[str, list[float]], numel: int) -> dict[str, float]:
           f"{'x floor':>8} {'vs fused':>9}")  # fmt: skip
     fused = times["torch fused fp32"]
     summary = {"bandwidth_GBps": statistics.median(bw) / 1e9}
-    for name, bits in (("int8", 8), ("int4", 4), ("torch fused fp32", None)):
+    for name, bits in (*MODES.items(), ("torch fused fp32", None)):
         t = times[name]
         per_byte = bytes_per_param(bits)
         floor = [b / per_byte for b in bw]  # params/s at the memory floor, per round
@@ -128,7 +129,7 @@ def report_main(times: dict[str, list[float]], numel: int) -> dict[str, float]:
         summary[f"{name} Gparam/s"] = rate / 1e9
         summary[f"{name} x floor"] = x_floor
         summary[f"{name} vs fused"] = vs_fused
-    for name in ("int8", "int4"):
+    for name in MODES:
         verdict = "met" if summary[f"{name} x floor"] <= GOAL else "NOT met"
         print(f"{name}: {summary[f'{name} x floor']:.2f}x its memory floor (goal <= {GOAL}: {verdict}), "
               f"{summary[f'{name} vs fused']:.2f}x the speed of torch fused fp32 AdamW")  # fmt: skip
@@ -236,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report_main(times, args.numel)
     gc.collect()
     if args.fallback:
-        for bits in (8, 4):
+        for bits in MODES.values():
             run = Ours(args.numel, bits, use_kernel=False)
             t = timed(run.step)
             print(f"torch fallback int{bits}: {args.numel / t / 1e9:.3f} Gparam/s")

@@ -77,9 +77,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             it, in RAM only through the cache. ``"auto"``: ``<default_root_dir>/megatrain_offload``.
             ``None``: everything stays in host RAM.
         keep_offload_dir: keep the store's files when the model is freed (they are removed otherwise).
-        optimizer_compression: Adam moments in the store: ``"none"`` (fp32, exact), ``"int8"`` or
-            ``"int4"`` (block-quantized; ``True`` means ``"int4"``). Weights, gradients and the update
-            arithmetic stay fp32.
+        optimizer_compression: Adam moments in the store: ``"none"`` (fp32, exact), ``"int8"``,
+            ``"int4"``, ``"int3"`` or ``"int2"`` (block-quantized, ``optim/codecs.py``; ``True`` means
+            ``"int4"``). Weights, gradients and the update arithmetic stay fp32.
         block_classes: classes (or class names) of the repeated layers; default: the Hugging Face
             model's ``_no_split_modules``.
         activation_checkpointing: keep only block-boundary activations and recompute each block in backward.

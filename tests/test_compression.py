@@ -1,17 +1,27 @@
-"""int8/int4 optimizer state inside the engine: bytes held, convergence, exact round trips."""
+"""Compressed optimizer state inside the engine: bytes held, convergence, exact round trips, bitwise
+resume and refusal of state stored in another format, for every mode."""
 
 from __future__ import annotations
 
+import copy
+
+import lightning as L
 import pytest
 import torch
-from conftest import fit, tiny_model
+from conftest import LossRecorder, fit, quiet_trainer, tiny_model
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.optim import codecs
 
-BOUNDS = {"none": 8.0, "int8": 2.1, "int4": 1.1}  # bytes of m, v (and scales) per parameter
+COMPRESSED = ["int8", "int4", "int3", "int2"]
+# bytes of m, v (and scales) per parameter: codecs.state_bytes of each format (2.047, 1.094, 0.875, 0.6875)
+BOUNDS = {"none": 8.0, "int8": 2.1, "int4": 1.1, "int3": 0.9, "int2": 0.7}
 
 
-@pytest.mark.parametrize("compression", ["none", "int8", "int4"])
+@pytest.mark.parametrize("compression", ["none", *COMPRESSED])
 def test_state_bytes_per_parameter_in_the_store(compression):
     model = tiny_model(
         "llama", hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=4
@@ -26,6 +36,9 @@ def test_state_bytes_per_parameter_in_the_store(compression):
     assert per_param <= BOUNDS[compression], per_param
     if compression == "none":
         assert per_param >= 8.0
+    else:  # the layers' large matrices hold exactly the format's bytes; their norms keep fp32 moments
+        fmt_bytes = codecs.state_bytes(1 << 20, engine.optimizer.bits) / (1 << 20)
+        assert fmt_bytes <= per_param <= fmt_bytes + 0.02, (per_param, fmt_bytes)
     stats = run.trainer.strategy.stats
     assert stats.optimizer_state_bytes == engine.optimizer.state_bytes() > 0
 
@@ -35,7 +48,7 @@ def test_compression_true_means_int4():
     assert MegaTrainStrategy(optimizer_compression=False).optimizer_compression == "none"
 
 
-@pytest.mark.parametrize("compression", ["int8", "int4"])
+@pytest.mark.parametrize("compression", COMPRESSED)
 def test_compressed_state_dict_round_trips_exactly(compression):
     run = fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression=compression), steps=3)
     optimizer = run.trainer.optimizers[0]
@@ -49,6 +62,50 @@ def test_compressed_state_dict_round_trips_exactly(compression):
     for block, state in copies.items():
         for kind, tensor in state.items():
             assert torch.equal(again[block][kind], tensor), (block, kind)
+    assert saved["codec"] == {"compression": compression, "version": codecs.FORMAT_VERSION}
+
+
+def test_state_of_another_format_is_refused_clearly():
+    run = fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int4"), steps=1)
+    optimizer = run.trainer.optimizers[0]
+    saved = optimizer.state_dict()
+    old = {k: v for k, v in saved.items() if k != "codec"}  # as saved before the format was recorded
+    with pytest.raises(ValueError, match="int4 format version 1"):
+        optimizer.load_state_dict(old)
+    with pytest.raises(ValueError, match="optimizer_compression='int3'"):
+        optimizer.load_state_dict(
+            {**saved, "codec": {"compression": "int3", "version": codecs.FORMAT_VERSION}}
+        )
+    optimizer.load_state_dict(saved)  # today's format loads
+
+
+def _resumable_fit(compression: str, root, steps: int, ckpt_path=None) -> tuple[list[float], dict]:
+    """Fit a small Llama on the shipped corpus, a checkpoint every 2 steps; (losses, final weights)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=3, hidden_size=128, intermediate_size=256)
+    module = CausalLMModule(copy.deepcopy(model), lr=1e-2, warmup_steps=2, max_steps=steps)
+    recorder = LossRecorder()
+    checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)
+    trainer = quiet_trainer(
+        MegaTrainStrategy(optimizer_compression=compression), steps, [recorder, checkpoints],
+        enable_checkpointing=True, limit_train_batches=2,  # epochs of 2 steps: resumable at their ends
+    )  # fmt: skip
+    L.seed_everything(1, verbose=False)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=ckpt_path)
+    return recorder.losses, {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("compression", COMPRESSED)
+def test_resume_is_bitwise(compression, tmp_path):
+    """Stopped after step 2 and resumed from its checkpoint: steps 3-4 and the final weights equal the
+    uninterrupted run's bit for bit (the quantized state round-trips exactly through the checkpoint)."""
+    losses, weights = _resumable_fit(compression, tmp_path / "full", 4)
+    resumed_losses, resumed = _resumable_fit(
+        compression, tmp_path / "resumed", 4, ckpt_path=tmp_path / "full" / "epoch=0-step=2.ckpt"
+    )
+    assert resumed_losses == losses[2:]
+    for name, tensor in weights.items():
+        assert torch.equal(resumed[name], tensor), name
 
 
 def _final_loss(compression: str) -> tuple[float, list[float]]:

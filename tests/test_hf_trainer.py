@@ -133,7 +133,7 @@ def test_unsupported_arguments_warn_once_each(tmp_path):
 
 def test_init_checks_options_at_once():
     with pytest.raises(MisconfigurationException, match="optimizer_compression"):
-        mt.init(optimizer_compression="int3")
+        mt.init(optimizer_compression="int1")
     with pytest.raises(MisconfigurationException, match="max_vram_gb"):
         mt.init(max_vram_gb=-1)
     with pytest.raises(ValueError, match="train_dataset"):

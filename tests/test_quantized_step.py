@@ -15,6 +15,7 @@ from megatrain_lightning.optim import codecs as C
 from megatrain_lightning.optim import kernel as K
 from megatrain_lightning.optim import quantized as Q
 
+BITS = list(C.FORMATS)  # int8, int4, int3, int2
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 MODES = [
     dict(decoupled_weight_decay=True, maximize=False),
@@ -87,7 +88,7 @@ def _assert_identical(a: tuple, b: tuple) -> None:
 # -- C++ kernel == torch fallback, bit for bit --
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("mode", MODES, ids=["adamw", "adam_l2", "adamw_max", "adam_l2_max"])
 @pytest.mark.parametrize("n", [1, 255, 1001, 256 * 40 + 77])
 def test_kernel_matches_fallback(bits: int, mode: dict, n: int) -> None:
@@ -96,7 +97,7 @@ def test_kernel_matches_fallback(bits: int, mode: dict, n: int) -> None:
 
 
 @pytest.mark.parametrize("variant", ["generic", "avx2"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernels, monkeypatch) -> None:
     if variant not in variant_kernels:
         pytest.skip(f"this CPU cannot run the {variant} path")
@@ -110,7 +111,7 @@ def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernel
     _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 def test_threads_do_not_change_results(bits: int) -> None:
     _kernel_or_skip()
     n = 256 * 300 + 3
@@ -127,7 +128,7 @@ def _reference_step(p, grad, m, v, step, mode) -> None:
          maximize=mode["maximize"], decoupled_weight_decay=mode["decoupled_weight_decay"])  # fmt: skip
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("mode", MODES, ids=["adamw", "adam_l2", "adamw_max", "adam_l2_max"])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
 def test_step_is_adamw_on_the_decoded_state(bits: int, mode: dict, use_kernel: bool) -> None:
@@ -158,10 +159,11 @@ def test_step_is_adamw_on_the_decoded_state(bits: int, mode: dict, use_kernel: b
         assert (C.dequantize(vc, vs, "v", bits, n) > 0).all()
 
 
-@pytest.mark.parametrize("bits,limit", [(8, 0.1), (4, 0.45)])
+@pytest.mark.parametrize("bits,limit", [(8, 0.1), (4, 0.3), (3, 0.6), (2, 0.8)])
 def test_close_to_fp32_adamw_over_steps(bits: int, limit: float) -> None:
     """Against a full-precision AdamW run over 10 steps of uncorrelated gradients with magnitudes
-    varying 7x inside blocks: drift / distance travelled (measured: 0.062 int8, 0.32 int4)."""
+    varying 7x inside blocks: drift / distance travelled (a regression figure; the measured values
+    are in the assertion message)."""
     n = 4096 * 4
     p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
     p, ref, m, v = p0.clone(), p0.clone(), torch.zeros(n), torch.zeros(n)
@@ -172,13 +174,15 @@ def test_close_to_fp32_adamw_over_steps(bits: int, limit: float) -> None:
         _reference_step(ref, grad, m, v, step, mode)
     drift = float((p - ref).norm() / (ref - p0).norm())
     assert drift < limit, drift
-    assert float((p - ref).abs().max()) < 10 * HP["lr"]  # never more than the 10 steps' reach
+    # int8/int4: never more than the 10 steps' reach; int3/int2's 2-bit v may be read up to 2x too small
+    reach = 10 if bits >= 4 else 20
+    assert float((p - ref).abs().max()) < reach * HP["lr"]
 
 
 # -- slices --
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
 def test_slice_updates_only_its_elements(bits: int, use_kernel: bool) -> None:
     """Slice [a, b) with a = 256 k and b unaligned (odd): everything outside is untouched, and the slice
@@ -196,31 +200,34 @@ def test_slice_updates_only_its_elements(bits: int, use_kernel: bool) -> None:
             else t.uniform_(0.5, 1.0)
         )
     before = [t.clone() for t in (param, grad, *state)]
-    codes, msl, vsl = C.state_slices(a, b, bits)
-    alone = [param[a:b].clone(), grad[a:b].clone(), state[0][codes].clone(), state[1][msl].clone(),
-             state[2][codes].clone(), state[3][vsl].clone()]  # fmt: skip
+    where = C.state_slices(a, b, bits)
+    alone = [
+        param[a:b].clone(),
+        grad[a:b].clone(),
+        *(t[w].clone() for t, w in zip(state, where, strict=True)),
+    ]
     for step in (1, 2):
-        Q.quantized_adamw_(param[a:b], grad[a:b], state[0][codes], state[1][msl], state[2][codes], state[3][vsl],
+        Q.quantized_adamw_(param[a:b], grad[a:b], *(t[w] for t, w in zip(state, where, strict=True)),
                            bits=bits, step=step, use_kernel=use_kernel, **HP)  # fmt: skip
         Q.quantized_adamw_(*alone, bits=bits, step=step, use_kernel=use_kernel, **HP)
     after = (param, grad, *state)
-    ranges = [slice(a, b), slice(a, b), codes, msl, codes, vsl]
-    for name, old, new, r in zip(
-        ["param", "grad", "m_codes", "m_scales", "v_codes", "v_scales"], before, after, ranges, strict=True
-    ):
+    ranges = [slice(a, b), slice(a, b), *where]
+    widths = [32, 32, C.width("m", bits), 32, C.width("v", bits), 32]
+    got = []
+    for name, old, new, r, width in zip(
+        ["param", "grad", "m_codes", "m_scales", "v_codes", "v_scales"], before, after, ranges, widths,
+        strict=True,
+    ):  # fmt: skip
         outside = torch.ones(new.numel(), dtype=torch.bool)
         outside[r] = False
-        if name.endswith("codes") and bits == 4:
-            # the last byte is shared with element b (padding in the store): only its low nibble is ours
-            assert new[r.stop - 1] >> 4 == old[r.stop - 1] >> 4
         assert torch.equal(new[outside], old[outside]), f"{name} changed outside the slice"
+        got.append(new[r].clone())
+        if used := (b - a) * width % 8:  # a last byte shared with element b (padding in the store)
+            ours = (1 << used) - 1
+            assert new[r.stop - 1] & ~ours & 0xFF == old[r.stop - 1] & ~ours & 0xFF, f"{name}: others' bits"
+            got[-1][-1] = (alone[len(got) - 1][-1] & ~ours & 0xFF) | (got[-1][-1] & ours)
     assert torch.equal(grad, before[1])
     assert not torch.equal(param[a:b], before[0][a:b])
-    got = [param[a:b], grad[a:b], state[0][codes], state[1][msl], state[2][codes], state[3][vsl]]
-    if bits == 4:  # the alone copy's last byte has the same low nibble
-        got[2], got[4] = got[2].clone(), got[4].clone()
-        for i in (2, 4):
-            got[i][-1] = (alone[i][-1] & 0xF0) | (got[i][-1] & 0x0F)
     _assert_identical(tuple(got), tuple(alone))
 
 
@@ -235,7 +242,9 @@ def test_rejects_bad_slices() -> None:
     with pytest.raises(ValueError, match="param"):
         Q.quantized_adamw_(p.double(), g, mc, ms, vc, vs, bits=8, step=1, **HP)
     with pytest.raises(ValueError, match="bits"):
-        Q.quantized_adamw_(p, g, mc, ms, vc, vs, bits=2, step=1, **HP)
+        Q.quantized_adamw_(p, g, mc, ms, vc, vs, bits=5, step=1, **HP)
+    with pytest.raises(ValueError, match="m_codes"):  # int8 state given as int4
+        Q.quantized_adamw_(p, g, mc, ms, vc, vs, bits=4, step=1, **HP)
     with pytest.raises(ValueError, match="step"):
         Q.quantized_adamw_(p, g, mc, ms, vc, vs, bits=8, step=0, **HP)
 
@@ -243,7 +252,7 @@ def test_rejects_bad_slices() -> None:
 # -- adversarial gradients: the state stays finite --
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
 def test_state_stays_finite(bits: int, use_kernel: bool) -> None:
     if use_kernel:
@@ -284,7 +293,7 @@ def _adversarial_run(bits: int, use_kernel: bool) -> tuple:
     return (p, *state)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", BITS)
 def test_adversarial_kernel_matches_fallback(bits: int) -> None:
     """NaN, Inf, overflowing and subnormal gradients: the kernel's rare cleaning path included."""
     _kernel_or_skip()
@@ -320,7 +329,7 @@ def test_kernel_ignores_flush_denormal() -> None:
 def test_concurrent_slices_from_threads() -> None:
     """Disjoint slices stepped from several Python threads at once == stepped one after another."""
     _kernel_or_skip()
-    bits, parts, size = 4, 4, 256 * 64
+    bits, parts, size = 3, 4, 256 * 64
     g = torch.Generator().manual_seed(10)
     grad = torch.randn(parts * size, generator=g)
     init = torch.randn(parts * size, generator=g)
@@ -331,9 +340,9 @@ def test_concurrent_slices_from_threads() -> None:
 
         def work(i: int, p=p, state=state) -> None:
             a, b = i * size, i * size + size - 3
-            codes, msl, vsl = C.state_slices(a, b, bits)
+            where = C.state_slices(a, b, bits)
             for step in (1, 2, 3):
-                Q.quantized_adamw_(p[a:b], grad[a:b], state[0][codes], state[1][msl], state[2][codes], state[3][vsl],
+                Q.quantized_adamw_(p[a:b], grad[a:b], *(t[w] for t, w in zip(state, where, strict=True)),
                                    bits=bits, step=step, num_threads=2, **HP)  # fmt: skip
 
         if concurrent:

@@ -197,7 +197,7 @@ def test_unsupported_precision_and_options():
     with pytest.raises(MisconfigurationException, match="precision"):
         _trainer(precision="64-true")
     with pytest.raises(MisconfigurationException, match="optimizer_compression"):
-        MegaTrainStrategy(optimizer_compression="int3")
+        MegaTrainStrategy(optimizer_compression="int1")
     with pytest.raises(MisconfigurationException, match="prefetch_depth"):
         MegaTrainStrategy(prefetch_depth=-1)
 

@@ -48,7 +48,7 @@ from megatrain_lightning.telemetry.timeline import TIMELINE
 log = logging.getLogger(__name__)
 
 _CODES = ("m_codes", "m_scales", "v_codes", "v_scales")  # block-quantized moments of large parameters
-COMPRESSIONS = {"none": None, "int8": 8, "int4": 4}
+COMPRESSIONS = {"none": None, "int8": 8, "int4": 4, "int3": 3, "int2": 2}  # name -> codecs.FORMATS key
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class CPUAdamW(Optimizer):
         grads: the host gradient accumulator the engine offloads into.
         locate: ``id(param) -> (block, index)`` for every parameter in ``params``.
         decoupled_weight_decay: AdamW (``True``) or Adam with L2 weight decay (``False``).
-        compression: ``"none"`` (fp32 moments: bitwise torch), ``"int8"`` or ``"int4"``: the moments of
+        compression: ``"none"`` (fp32 moments: bitwise torch), ``"int8"``, ``"int4"``, ``"int3"`` or
+            ``"int2"`` (:data:`megatrain_lightning.optim.codecs.FORMATS`): the moments of
             the large parameters of repeated blocks (decoder layers) are stored block-quantized
             (:mod:`megatrain_lightning.optim.codecs`) and updated by one fused pass
             (:mod:`megatrain_lightning.optim.quantized`); small parameters, embeddings and the head keep
@@ -359,14 +360,11 @@ class CPUAdamW(Optimizer):
                 )
             for (a, b, members), grad in zip(runs, grads, strict=True):
                 if a < q:
-                    codes, m_scales, v_scales = codecs.state_slices(a, b, self._bits)
+                    where = codecs.state_slices(a, b, self._bits)
                     quantized_adamw_(
                         flats["param"][a:b],
                         grad,
-                        flats["m_codes"][codes],
-                        flats["m_scales"][m_scales],
-                        flats["v_codes"][codes],
-                        flats["v_scales"][v_scales],
+                        *(flats[kind][w] for kind, w in zip(_CODES, where, strict=True)),
                         bits=self._bits,
                         step=steps[members[0]] + 1,
                         lr=h.lr,
@@ -392,8 +390,7 @@ class CPUAdamW(Optimizer):
                 for kind in FP32_MOMENTS:
                     flats[kind][a - q : b - q].zero_()
             else:  # zero codes and scales decode to zero moments; a run's codes and scales are its own
-                codes, m_scales, v_scales = codecs.state_slices(a, b, self._bits)
-                for kind, where in zip(_CODES, (codes, m_scales, codes, v_scales), strict=True):
+                for kind, where in zip(_CODES, codecs.state_slices(a, b, self._bits), strict=True):
                     flats[kind][where].zero_()
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
@@ -434,7 +431,7 @@ class CPUAdamW(Optimizer):
 
     @property
     def bits(self) -> int | None:
-        """8 or 4 for compressed moments, ``None`` for fp32."""
+        """The compressed moments' format (a key of ``codecs.FORMATS``), ``None`` for fp32."""
         return self._bits
 
     def state_dict(self) -> dict[str, Any]:

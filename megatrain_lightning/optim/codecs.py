@@ -1,42 +1,58 @@
-"""Block-wise absmax codecs for compressed Adam moments (int8 / int4), separate from the optimizer.
+"""Block-wise absmax codecs for compressed Adam moments (int8 / int4 / int3 / int2), separate from the
+optimizer.
 
-Formats (every value decodes as ``table[code] * scale``, one fp32 scale per block):
+A *format* (``FORMATS``, keyed by the mode's average bits per moment) gives each moment a code width, a
+block size and a map; every value decodes as ``table[code] * scale``, one fp32 scale per block:
 
-=======  =====  ==========================================================  ======================
-moment   bits   map (code -> table value)                                   block / scale
-=======  =====  ==========================================================  ======================
-m        8      signed E4M3 (sign bit + 4-bit exponent + 3-bit mantissa,    256 elements,
-                with subnormals; no inf/NaN): a dynamic-exponent map         scale = absmax / 1.875
-                spanning 1.875 .. 2^-17 (5.4 decades, 3 significant bits)
-m        4      the 16-value dynamic-exponent map of Li et al. 2023          128 elements,
-                (bitsandbytes' ``create_dynamic_map(total_bits=4)``):        scale = *signed* absmax
-                0, +-.0055, +-.0325, +-.0775, +-.2125, +-.4375, +-.6625,     (the sign of the largest
-                +-.8875, +1; code 0 is 0.0                                   element, so it maps to +1)
-v        8 / 4  unsigned linear without zero: code c -> (c + 1) / 2^bits    128 elements,
-                                                                             scale = max(absmax, 2^-100)
-                                                                             / 2^bits
-=======  =====  ==========================================================  ======================
+======  =================================================  =================================================
+format  m (first moment)                                   v (second moment)
+======  =================================================  =================================================
+int8    8 bits, signed E4M3 (sign + 4-bit exponent +       8 bits, linear without zero: code c ->
+        3-bit mantissa, subnormals, no inf/NaN): a          (c + 1) / 256; blocks of 128,
+        dynamic-exponent map spanning 1.875 .. 2^-17;       scale = max(absmax, 2^-100) / 256
+        blocks of 256, scale = absmax / 1.875
+int4    4 bits, the 16-value dynamic-exponent map of Li     4 bits, logarithmic without zero: code c ->
+        et al. 2023 (0, +-.0055, +-.0325, +-.0775, +-.2125,  2^(-c/2) (16 values, 7.5 octaves);
+        +-.4375, +-.6625, +-.8875, +1); blocks of 64,       blocks of 128, scale = max(absmax, 2^-100)
+        scale = *signed* absmax (the sign of the largest
+        element, so it maps to +1)
+int3    as int4 (4 bits)                                    2 bits, logarithmic: c -> 2^(-2c) (4 values,
+                                                            6 octaves); blocks of 64
+int2    2 bits: -0.5, 0, 0.5, 1; blocks of 32, signed       as int3
+        absmax
+======  =================================================  =================================================
 
-Codes are uint8, one per element for 8 bits; for 4 bits two per byte, element ``2j`` in the low
-nibble of byte ``j`` and ``2j + 1`` in the high one (odd lengths leave the last high nibble 0).
+Why these (measured on real gradients by ``benchmarks/codec_candidates.py``, table in
+``benchmarks/RESULTS.md``): what the update uses is ``m / sqrt(v)``, so v needs *relative* precision
+over a wide range; a linear v map lifts every element below 1/32 of its block's max to 1/16 of it,
+which shrinks those updates by up to 4x, while the logarithmic map keeps every element within
+``2^(step/2)`` of its value over 7.5 octaves. The first moment is signed and well served by Li et al.'s
+map; smaller blocks cut its error further for 1/16 byte per parameter.
+
+Codes are uint8 bytes holding 8 / width codes each, element ``k`` of byte ``j`` in bits
+``[k * width, (k + 1) * width)`` (so for 4 bits element ``2j`` is the low nibble); a partial last byte
+leaves its unused bits 0.
 
 Encoding rounds to the nearest code (ties: half to even for E4M3 and the linear map, down for the
-int4 map). Inputs are cleaned first, so no NaN or Inf ever comes out: NaN encodes as 0, +-Inf and
-magnitudes above ``CLAMP`` (FLT_MAX less 2 ulp) as +-CLAMP, and v's negative values and -0.0 as 0.
-A power-of-two pre-scale keeps ``1 / absmax`` finite for subnormal blocks. The second moment's
-scale never drops below ``V_FLOOR / 2^bits``, so once written v never decodes to 0 (an all-zero
-block decodes to ``2^-100 / 2^bits``: its square root, ~1e-15, is far below any Adam eps); a
+first-moment tables; the log map compares with the geometric means of neighbouring values). Inputs are
+cleaned first, so no NaN or Inf ever comes out: NaN encodes as 0, +-Inf and magnitudes above ``CLAMP``
+(FLT_MAX less 2 ulp) as +-CLAMP, and v's negative values and -0.0 as 0. A power-of-two pre-scale keeps
+``1 / absmax`` finite for subnormal blocks. The second moment's block max never drops below
+``V_FLOOR``, so once written v never decodes to 0 (its square root is far below any Adam eps); a
 zero-filled state (all codes and scales 0) decodes to exactly 0, the fresh-optimizer state.
 
 Error bounds per element x of a block whose cleaned absmax is A (checked by tests/test_codecs.py;
 ``error_bound`` computes them), with ``tiny = 2^-148`` covering subnormal decode rounding:
 
-* m, 8 bits: ``|dec - x| <= 2^-4 * |x| * (1 + 2^-12) + 2^-18 / 1.875 * A + tiny`` (3 significant
+* m, int8: ``|dec - x| <= 2^-4 * |x| * (1 + 2^-12) + 2^-18 / 1.875 * A + tiny`` (3 significant
   bits relative, absolute ``2.0e-6 * A`` below the smallest normal); in particular ``<= A / 30``.
-* m, 4 bits: ``|dec - x| <= 0.1125 * A * (1 + 2^-12) + tiny`` (half the largest gap of the map);
-  the element of largest magnitude decodes exactly (to within one rounding).
-* v, 8 / 4 bits: with ``s = max(A, 2^-100) / 2^bits``: ``|dec - x| <= s / 2 * (1 + 2^-12)`` for
-  ``x >= s / 2`` and ``dec = s`` (so ``|dec - x| <= s``) below; always ``dec >= s > 0``.
+* m, table maps: ``|dec - x| <= g * A * (1 + 2^-12) + tiny`` with g the larger of half the largest gap
+  of the map and its distance from -1 (0.1125 for 4 bits, 0.5 for 2); the element of largest magnitude
+  decodes exactly.
+* v, int8: with ``s = max(A, 2^-100) / 256``: ``|dec - x| <= s / 2 * (1 + 2^-12)`` for
+  ``x >= s / 2`` and ``dec = s`` below; always ``dec >= s > 0``.
+* v, log map with step ``r`` octaves over ``L`` codes, ``S = max(A, 2^-100)``, ``lo = S * 2^(-r(L-1))``:
+  ``|dec - x| <= (2^(r/2) - 1) * x * (1 + 2^-12)`` for ``x >= lo`` and ``dec = lo`` below; ``dec > 0``.
 
 The fused optimizer step (``quantized.py``) uses exactly these codecs; its C++ kernel and torch
 fallback agree with this module bit for bit.
@@ -44,6 +60,7 @@ fallback agree with this module bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -53,9 +70,6 @@ from megatrain_lightning.store.layout import ALIGN
 
 Kind = Literal["m", "v"]
 
-M_BLOCK = {8: 256, 4: 128}  # elements per first-moment scale
-V_BLOCK = 128  # elements per second-moment scale (both widths)
-
 M8_TOP = 1.875  # largest E4M3 magnitude
 M8_MIN_NORMAL = 2.0**-14
 V_FLOOR = 2.0**-100
@@ -63,15 +77,65 @@ CLAMP = float(torch.tensor(0x7F7FFFFD, dtype=torch.int32).view(torch.float32))
 _TINY = 2.0**-148
 _PRE_LO, _PRE_HI = 2.0**-64, 2.0**64
 
-# int4 first-moment map, sorted; the code of sorted index i is (i + 9) & 15 (so code 0 is 0.0)
-M4_SORTED = torch.tensor(
-    [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
-     0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0],
-    dtype=torch.float32,
-)  # fmt: skip
-M4_MIDPOINTS = (M4_SORTED[:-1] + M4_SORTED[1:]) * 0.5  # float32 arithmetic, as the C++ kernel
-M4_TABLE = M4_SORTED[(torch.arange(16) + 7) % 16]  # by code
-M4_MAX_HALF_GAP = float(((M4_SORTED[1:] - M4_SORTED[:-1]) / 2).max())  # 0.1125
+# first-moment maps by code width, sorted ascending (the largest is +1: the signed block max)
+M_SORTED = {
+    4: (-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+        0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0),
+    2: (-0.5, 0.0, 0.5, 1.0),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Format:
+    """One compression mode: per moment a code width, elements per scale and a map."""
+
+    name: str
+    m_bits: int
+    m_block: int
+    v_bits: int
+    v_block: int
+    v_octaves: float | None  # the log map's step (octaves per code); None: int8's linear map
+
+    @property
+    def m_sorted(self) -> Tensor:
+        return torch.tensor(M_SORTED[self.m_bits], dtype=torch.float32)
+
+    @property
+    def m_zero(self) -> int:
+        """Sorted index of 0.0: the code of sorted index i is ``(i - m_zero) mod 2^m_bits``."""
+        return M_SORTED[self.m_bits].index(0.0)
+
+    @property
+    def m_midpoints(self) -> Tensor:
+        t = self.m_sorted
+        return (t[:-1] + t[1:]) * 0.5  # float32 arithmetic, as the C++ kernel
+
+    @property
+    def m_table(self) -> Tensor:
+        """Value by code (code 0 is 0.0)."""
+        levels = 1 << self.m_bits
+        return self.m_sorted[(torch.arange(levels) + self.m_zero) % levels]
+
+    @property
+    def v_table(self) -> Tensor:
+        """Log map: value by code, descending from 1 (code 0)."""
+        steps = torch.arange(1 << self.v_bits, dtype=torch.float64)
+        return torch.exp2(-steps * self.v_octaves).float()
+
+    @property
+    def v_thresholds(self) -> Tensor:
+        """Log map: the geometric means of neighbouring values; the code is the count of those above y."""
+        steps = torch.arange((1 << self.v_bits) - 1, dtype=torch.float64) + 0.5
+        return torch.exp2(-steps * self.v_octaves).float()
+
+
+FORMATS = {
+    8: Format("int8", 8, 256, 8, 128, None),
+    4: Format("int4", 4, 64, 4, 128, 0.5),
+    3: Format("int3", 4, 64, 2, 64, 2.0),
+    2: Format("int2", 2, 32, 2, 64, 2.0),
+}
+FORMAT_VERSION = 2  # of the stored codes; 1: int4 with blocks of 128 and a linear v map (issue 4)
 
 
 def _e4m3_table() -> Tensor:
@@ -87,23 +151,29 @@ def _e4m3_table() -> Tensor:
 M8_TABLE = _e4m3_table()  # by code, exact
 
 
-def _check(kind: str, bits: int) -> None:
+def _check(kind: str, bits: int) -> Format:
     if kind not in ("m", "v"):
         raise ValueError(f"kind must be 'm' or 'v', got {kind!r}")
-    if bits not in (8, 4):
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if bits not in FORMATS:
+        raise ValueError(f"bits must be one of {tuple(FORMATS)}, got {bits!r}")
+    return FORMATS[bits]
+
+
+def width(kind: Kind, bits: int) -> int:
+    """Bits per code of one moment."""
+    fmt = _check(kind, bits)
+    return fmt.m_bits if kind == "m" else fmt.v_bits
 
 
 def block_size(kind: Kind, bits: int) -> int:
     """Elements per scale."""
-    _check(kind, bits)
-    return M_BLOCK[bits] if kind == "m" else V_BLOCK
+    fmt = _check(kind, bits)
+    return fmt.m_block if kind == "m" else fmt.v_block
 
 
-def code_bytes(numel: int, bits: int) -> int:
-    """Bytes of codes for ``numel`` elements (one moment)."""
-    _check("m", bits)
-    return numel if bits == 8 else (numel + 1) // 2
+def code_bytes(numel: int, kind: Kind, bits: int) -> int:
+    """Bytes of codes for ``numel`` elements of one moment."""
+    return -(-numel * width(kind, bits) // 8)
 
 
 def num_scales(numel: int, kind: Kind, bits: int) -> int:
@@ -112,51 +182,62 @@ def num_scales(numel: int, kind: Kind, bits: int) -> int:
 
 
 def state_bytes(numel: int, bits: int) -> int:
-    """Bytes of m and v with their scales for ``numel`` elements: about 2.05 (int8) and 1.06 (int4)
-    bytes per element, against 8 for fp32 moments."""
-    return 2 * code_bytes(numel, bits) + 4 * (num_scales(numel, "m", bits) + num_scales(numel, "v", bits))
+    """Bytes of m and v with their scales for ``numel`` elements: about 2.05 (int8), 1.09 (int4), 0.88
+    (int3) and 0.69 (int2) bytes per element, against 8 for fp32 moments."""
+    return sum(code_bytes(numel, k, bits) + 4 * num_scales(numel, k, bits) for k in ("m", "v"))
 
 
-def state_slices(a: int, b: int, bits: int) -> tuple[slice, slice, slice]:
-    """``(codes, m_scales, v_scales)`` index ranges of elements ``[a, b)`` of a flat buffer, for slicing
-    the codes (either moment) and scales of the whole buffer; ``a`` must be a multiple of ``ALIGN``."""
+def state_slices(a: int, b: int, bits: int) -> tuple[slice, slice, slice, slice]:
+    """``(m_codes, m_scales, v_codes, v_scales)`` index ranges of elements ``[a, b)`` of a flat buffer, for
+    slicing the state of the whole buffer; ``a`` must be a multiple of ``ALIGN``."""
     _check("m", bits)
     if a % ALIGN or not 0 <= a <= b:
         raise ValueError(f"a slice must start at a multiple of {ALIGN} and not end before it; got [{a}, {b})")
-    codes = slice(a, b) if bits == 8 else slice(a // 2, (b + 1) // 2)
-    mb = M_BLOCK[bits]
-    return codes, slice(a // mb, -(-b // mb)), slice(a // V_BLOCK, -(-b // V_BLOCK))
+    out = []
+    for kind in ("m", "v"):
+        w, size = width(kind, bits), block_size(kind, bits)
+        out += [slice(a * w // 8, -(-b * w // 8)), slice(a // size, -(-b // size))]
+    return tuple(out)  # type: ignore[return-value]
 
 
 def empty_state(
     numel: int, bits: int, device: torch.device | str = "cpu"
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Zeroed ``(m_codes, m_scales, v_codes, v_scales)``: decodes to m = v = 0 (a fresh optimizer)."""
-    cb = code_bytes(numel, bits)
-    return (
-        torch.zeros(cb, dtype=torch.uint8, device=device),
-        torch.zeros(num_scales(numel, "m", bits), dtype=torch.float32, device=device),
-        torch.zeros(cb, dtype=torch.uint8, device=device),
-        torch.zeros(num_scales(numel, "v", bits), dtype=torch.float32, device=device),
-    )
+    return tuple(
+        torch.zeros(count(numel, kind, bits), dtype=dtype, device=device)
+        for kind in ("m", "v")
+        for count, dtype in ((code_bytes, torch.uint8), (num_scales, torch.float32))
+    )  # type: ignore[return-value]
 
 
 # -- packing --
 
 
-def pack4(codes: Tensor) -> Tensor:
-    """uint8 codes < 16 -> two per byte (element 2j low nibble, 2j+1 high); odd length: high nibble 0."""
+def pack(codes: Tensor, width: int) -> Tensor:
+    """uint8 codes below ``2^width`` -> ``8 / width`` per byte, element k of a byte in bits
+    ``[k * width, (k + 1) * width)``; a partial last byte is zero-padded."""
     codes = codes.reshape(-1)
-    if codes.numel() % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    pairs = codes.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    if width == 8:
+        return codes.clone()
+    per = 8 // width
+    pad = -codes.numel() % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    groups = codes.view(-1, per)
+    out = groups[:, 0].clone()
+    for k in range(1, per):
+        out |= groups[:, k] << (k * width)
+    return out
 
 
-def unpack4(packed: Tensor, numel: int) -> Tensor:
-    """Inverse of :func:`pack4`: ``numel`` uint8 codes."""
-    out = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)
-    return out[:numel]
+def unpack(packed: Tensor, numel: int, width: int) -> Tensor:
+    """Inverse of :func:`pack`: ``numel`` uint8 codes."""
+    if width == 8:
+        return packed.reshape(-1)[:numel]
+    mask = (1 << width) - 1
+    parts = [(packed >> (k * width)) & mask for k in range(8 // width)]
+    return torch.stack(parts, dim=1).reshape(-1)[:numel]
 
 
 # -- block encoders / decoders on [blocks, B] tensors (shared with the torch fallback) --
@@ -212,41 +293,52 @@ def encode_m_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
         code = torch.where(z < M8_MIN_NORMAL, sub, normal).clamp_(max=127)
         code = torch.where(torch.signbit(x) & (code != 0), code | 128, code)
         return code.to(torch.uint8), scales
+    fmt = FORMATS[bits]
+    levels = 1 << fmt.m_bits
     positive = x.clamp(min=0).amax(dim=1)
     signed = torch.where(positive >= absmax, absmax, -absmax)
     inv = torch.where(zero, torch.zeros_like(absmax), _f32(1.0, x) / (signed * pre))
     y = (x * pre[:, None]).mul_(inv[:, None])
-    index = torch.full(y.shape, 9, dtype=torch.uint8)  # (number of midpoints below y) + 9
+    index = torch.full(y.shape, levels - fmt.m_zero, dtype=torch.uint8)  # midpoints below y, + offset
     above = torch.empty(y.shape, dtype=torch.bool)
-    for t in M4_MIDPOINTS.tolist():
+    for t in fmt.m_midpoints.tolist():
         index += torch.gt(y, t, out=above)
-    return index.bitwise_and_(15), signed
+    return index.bitwise_and_(levels - 1), signed
 
 
 def decode_m_blocks(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     """uint8 codes ``[blocks, B]`` (unpacked) and scales ``[blocks]`` -> fp32 ``[blocks, B]``."""
-    table = (M8_TABLE if bits == 8 else M4_TABLE).to(codes.device)
+    table = (M8_TABLE if bits == 8 else FORMATS[bits].m_table).to(codes.device)
     return table[codes.long()] * scales[:, None]
 
 
 def encode_v_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """fp32 ``[blocks, 128]`` -> (uint8 codes unpacked, fp32 scales ``[blocks]``). Cleans the input
+    """fp32 ``[blocks, B]`` -> (uint8 codes unpacked, fp32 scales ``[blocks]``). Cleans the input
     (``clean_v``) first when it holds NaN, Inf, negative values or magnitudes above ``CLAMP``."""
-    levels = 1 << bits
     absmax = x.amax(dim=1)
     if _needs_cleaning(absmax) or not bool(x.amin() >= 0):
         x = clean_v(x)
         absmax = x.amax(dim=1)
     absmax = absmax.clamp_(min=V_FLOOR)
-    inv = _f32(float(levels), x) / absmax
-    scales = absmax * (1.0 / levels)
-    code = torch.round(x * inv[:, None]).to(torch.int32)
-    code -= 1
-    return code.clamp_(0, levels - 1).to(torch.uint8), scales
+    if bits == 8:
+        inv = _f32(256.0, x) / absmax
+        scales = absmax * (1.0 / 256)
+        code = torch.round(x * inv[:, None]).to(torch.int32)
+        code -= 1
+        return code.clamp_(0, 255).to(torch.uint8), scales
+    inv = _f32(1.0, x) / absmax
+    y = x * inv[:, None]
+    code = torch.zeros(y.shape, dtype=torch.uint8)
+    below = torch.empty(y.shape, dtype=torch.bool)
+    for t in FORMATS[bits].v_thresholds.tolist():
+        code += torch.lt(y, t, out=below)
+    return code, absmax
 
 
 def decode_v_blocks(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
-    return (codes.to(torch.int32) + 1).to(torch.float32) * scales[:, None]
+    if bits == 8:
+        return (codes.to(torch.int32) + 1).to(torch.float32) * scales[:, None]
+    return FORMATS[bits].v_table.to(codes.device)[codes.long()] * scales[:, None]
 
 
 # -- public codec --
@@ -264,64 +356,65 @@ def quantize(x: Tensor, kind: Kind, bits: int) -> tuple[Tensor, Tensor]:
     _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
     numel = flat.numel()
-    size = block_size(kind, bits)
     encode = encode_m_blocks if kind == "m" else encode_v_blocks
-    codes, scales = encode(_blocks(flat, size), bits)
-    codes = codes.reshape(-1)[:numel]
-    return (codes if bits == 8 else pack4(codes)), scales
+    codes, scales = encode(_blocks(flat, block_size(kind, bits)), bits)
+    return pack(codes.reshape(-1)[:numel], width(kind, bits)), scales
 
 
 def dequantize(codes: Tensor, scales: Tensor, kind: Kind, bits: int, numel: int) -> Tensor:
     """Inverse of :func:`quantize`: fp32 ``[numel]``."""
     _check(kind, bits)
-    size = block_size(kind, bits)
-    if codes.numel() != code_bytes(numel, bits) or scales.numel() != num_scales(numel, kind, bits):
+    if codes.numel() != code_bytes(numel, kind, bits) or scales.numel() != num_scales(numel, kind, bits):
         raise ValueError(
-            f"{numel} elements need {code_bytes(numel, bits)} code bytes and {num_scales(numel, kind, bits)} "
-            f"scales; got {codes.numel()} and {scales.numel()}"
+            f"{numel} elements need {code_bytes(numel, kind, bits)} code bytes and "
+            f"{num_scales(numel, kind, bits)} scales; got {codes.numel()} and {scales.numel()}"
         )
-    flat = codes.reshape(-1) if bits == 8 else unpack4(codes.reshape(-1), numel)
-    blocks = _blocks(flat, size)
+    blocks = _blocks(unpack(codes.reshape(-1), numel, width(kind, bits)), block_size(kind, bits))
     decode = decode_m_blocks if kind == "m" else decode_v_blocks
     return decode(blocks, scales.reshape(-1).to(torch.float32), bits).reshape(-1)[:numel]
 
 
 def error_bound(x: Tensor, kind: Kind, bits: int) -> Tensor:
     """The per-element bound on ``|dequantize(quantize(x)) - clean(x)|`` stated in the module docstring."""
-    _check(kind, bits)
+    fmt = _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
     numel = flat.numel()
-    size = block_size(kind, bits)
     clean = clean_m(flat) if kind == "m" else clean_v(flat)
-    blocks = _blocks(clean, size).double()
+    blocks = _blocks(clean, block_size(kind, bits)).double()
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     slack = 1 + 2.0**-12
     if kind == "m" and bits == 8:
         bound = 2.0**-4 * blocks.abs() * slack + 2.0**-18 / M8_TOP * absmax + _TINY
     elif kind == "m":
-        bound = (M4_MAX_HALF_GAP * slack) * absmax + _TINY + blocks * 0
-    else:
-        s = absmax.clamp(min=V_FLOOR) / (1 << bits)
+        bound = (max_relative_error(kind, bits) * slack) * absmax + _TINY + blocks * 0
+    elif bits == 8:
+        s = absmax.clamp(min=V_FLOOR) / 256
         bound = torch.where(blocks >= s / 2, s / 2 * slack, s)
+    else:
+        lo = absmax.clamp(min=V_FLOOR) * float(fmt.v_table[-1])
+        bound = torch.where(blocks >= lo, (2 ** (fmt.v_octaves / 2) - 1) * blocks * slack + _TINY, lo * slack)
     return bound.reshape(-1)[:numel]
 
 
 def max_relative_error(kind: Kind, bits: int) -> float:
     """The worst error as a fraction of the block absmax (the constant in the bounds above)."""
-    _check(kind, bits)
+    fmt = _check(kind, bits)
     if kind == "m":
-        return 1 / 30 if bits == 8 else M4_MAX_HALF_GAP
-    return 1.0 / (1 << bits)
+        if bits == 8:
+            return 1 / 30
+        t = fmt.m_sorted  # half the largest gap, or the distance from -1 (y's floor) to the smallest value
+        return max(float(((t[1:] - t[:-1]) / 2).max()), 1 + float(t[0]))
+    return 1.0 / 256 if bits == 8 else 2 ** (fmt.v_octaves / 2) - 1
 
 
 __all__ = [
     "ALIGN",
     "CLAMP",
-    "M4_TABLE",
+    "FORMATS",
+    "FORMAT_VERSION",
     "M8_TABLE",
-    "M_BLOCK",
-    "V_BLOCK",
     "V_FLOOR",
+    "Format",
     "block_size",
     "code_bytes",
     "dequantize",
@@ -329,9 +422,10 @@ __all__ = [
     "error_bound",
     "max_relative_error",
     "num_scales",
-    "pack4",
+    "pack",
     "quantize",
     "state_bytes",
     "state_slices",
-    "unpack4",
+    "unpack",
+    "width",
 ]

@@ -34,11 +34,24 @@ from megatrain_lightning.optim import codecs
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quantized_adamw.cpp"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
+_TABLE_FLOATS = 93
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 # tried in this order; the first that compiles is used (without OpenMP the kernel runs on one thread)
 _ARCH_FLAGS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
 _COMPILE_TIMEOUT_S = 300
+
+
+def _expected_tables() -> torch.Tensor:
+    """What ``mq_tables`` must report: codecs.py's formats and maps (see the C++ source)."""
+    formats = [codecs.FORMATS[b] for b in (8, 4, 3, 2)]
+    layout = torch.tensor([x for f in formats for x in (f.m_bits, f.m_block, f.v_bits, f.v_block)])
+    m4, v4, v2 = codecs.FORMATS[4], codecs.FORMATS[4], codecs.FORMATS[3]
+    m2 = codecs.FORMATS[2]
+    return torch.cat([
+        layout.float(), m4.m_table, m2.m_table, m4.m_midpoints, m2.m_midpoints,
+        v4.v_table, v2.v_table, v4.v_thresholds, v2.v_thresholds, torch.tensor([codecs.V_FLOOR]),
+    ])  # fmt: skip
 
 
 class _Kernel:
@@ -50,11 +63,10 @@ class _Kernel:
         if lib.mq_abi_version() != _ABI_VERSION:
             raise RuntimeError(f"{path} has ABI {lib.mq_abi_version()}, expected {_ABI_VERSION}")
         lib.mq_tables.argtypes = [ctypes.c_void_p]
-        tables = torch.zeros(32, dtype=torch.float32)
+        tables = torch.zeros(_TABLE_FLOATS, dtype=torch.float32)
         lib.mq_tables(tables.data_ptr())
-        expected = torch.cat([codecs.M4_TABLE, codecs.M4_MIDPOINTS, torch.tensor([codecs.V_FLOOR])])
-        if not torch.equal(tables, expected):
-            raise RuntimeError(f"{path} was built with other codec tables than codecs.py")
+        if not torch.equal(tables, _expected_tables()):
+            raise RuntimeError(f"{path} was built with other codec formats or tables than codecs.py")
         lib.mq_isa.restype = ctypes.c_char_p
         self.isa = lib.mq_isa().decode()
         fn = lib.mq_adamw_step
@@ -192,7 +204,9 @@ def prepare() -> str:
     """Build or find the kernel now (at ``setup``, before the first step), saying so while it compiles;
     returns :func:`backend`."""
     if _kernel is None and _kernel_error is None:
-        rank_zero_info(f"megatrain: preparing the int8/int4 AdamW kernel (built once, in {cache_dir()})")
+        rank_zero_info(
+            f"megatrain: preparing the compressed-state AdamW kernel (built once, in {cache_dir()})"
+        )
         start = time.perf_counter()
         load_kernel()
         rank_zero_info(f"megatrain: AdamW kernel {backend()} ready in {time.perf_counter() - start:.1f} s")

@@ -1,9 +1,9 @@
-"""Fused AdamW step over int8 / int4 block-quantized moments (formats: ``codecs.py``).
+"""Fused AdamW step over block-quantized moments, int8 / int4 / int3 / int2 (formats: ``codecs.py``).
 
 :func:`quantized_adamw_` updates one slice ``[a, b)`` of a block's flat fp32 buffers in place:
 per chunk of 256 elements it decodes m and v, runs the fp32 AdamW update and re-encodes them, so
-every byte of parameter, gradient and state is read once and written once (about 16 bytes per
-parameter for int8, 14 for int4, against 28 for fp32 moments).
+every byte of parameter, gradient and state is read once and written once (about 16.1 bytes per
+parameter for int8, 14.2 for int4, 13.8 for int3, 13.4 for int2, against 28 for fp32 moments).
 
 Two implementations, bit-identical in their results:
 
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - numpy comes with transformers
     np = None
 
 from megatrain_lightning.optim import codecs, kernel
-from megatrain_lightning.optim.codecs import ALIGN, M_BLOCK, V_BLOCK
+from megatrain_lightning.optim.codecs import ALIGN, FORMATS
 
 _FALLBACK_CHUNK = 1 << 20  # elements per step of the torch fallback (a multiple of ALIGN)
 
@@ -104,14 +104,14 @@ def _validate(
     v_scales: Tensor,
     bits: int,
 ) -> None:
-    if bits not in (8, 4):
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if bits not in FORMATS:
+        raise ValueError(f"bits must be one of {tuple(FORMATS)}, got {bits!r}")
     n = param.numel()
     expect = {
         "param": (param, torch.float32, n),
         "grad": (grad, torch.float32, n),
-        "m_codes": (m_codes, torch.uint8, codecs.code_bytes(n, bits)),
-        "v_codes": (v_codes, torch.uint8, codecs.code_bytes(n, bits)),
+        "m_codes": (m_codes, torch.uint8, codecs.code_bytes(n, "m", bits)),
+        "v_codes": (v_codes, torch.uint8, codecs.code_bytes(n, "v", bits)),
         "m_scales": (m_scales, torch.float32, codecs.num_scales(n, "m", bits)),
         "v_scales": (v_scales, torch.float32, codecs.num_scales(n, "v", bits)),
     }
@@ -149,10 +149,9 @@ def quantized_adamw_(
 
     ``param``/``grad``: 1-D contiguous fp32 views of elements ``[a, b)`` of a block's flat buffers,
     with ``a`` a multiple of 256. ``m_codes``/``v_codes`` (uint8) and ``m_scales``/``v_scales``
-    (fp32) are the matching slices of the state (``codecs.state_slices(a, b, bits)``): codes
-    ``[a:b]`` (int8) or ``[a//2 : ceil(b/2)]`` (int4), m scales ``[a//B : ceil(b/B)]`` with B = 256
-    (int8) or 128 (int4), v scales ``[a//128 : ceil(b/128)]``. Only elements ``[a, b)`` change: for
-    an odd-length int4 slice the other nibble of the last byte is kept; the scale of a last partial
+    (fp32) are the matching slices of the state (``codecs.state_slices(a, b, bits)``; ``bits`` names
+    the format, a key of ``codecs.FORMATS``). Only elements ``[a, b)`` change: when the slice ends
+    inside a code byte, the bits of the elements after it are kept; the scale of a last partial
     block is computed from the slice's elements alone.
 
     Semantics of ``torch.optim.AdamW`` (``decoupled_weight_decay=True``) or ``Adam`` with L2 weight
@@ -214,36 +213,27 @@ def _torch_step(
     h: _Hyper,
 ) -> None:
     n = param.numel()
-    mb = M_BLOCK[bits]
     for a in range(0, n, _FALLBACK_CHUNK):
         b = min(n, a + _FALLBACK_CHUNK)
-        codes, ms, vs = codecs.state_slices(a, b, bits)
-        _torch_chunk(
-            param[a:b], grad[a:b], m_codes[codes], m_scales[ms], v_codes[codes], v_scales[vs], bits, h, mb
-        )
+        mc, ms, vc, vs = codecs.state_slices(a, b, bits)
+        _torch_chunk(param[a:b], grad[a:b], m_codes[mc], m_scales[ms], v_codes[vc], v_scales[vs], bits, h)
 
 
 def _torch_chunk(
-    p: Tensor, g: Tensor, mc: Tensor, ms: Tensor, vc: Tensor, vs: Tensor, bits: int, h: _Hyper, mb: int
+    p: Tensor, g: Tensor, mc: Tensor, ms: Tensor, vc: Tensor, vs: Tensor, bits: int, h: _Hyper
 ) -> None:
     """The kernel's arithmetic, operation for operation, on a slice starting at a multiple of 256.
     Works on zero-padded copies of whole 256-element chunks; padding lanes get m = v = 0 before the
     block maxima, as in the kernel."""
+    fmt = FORMATS[bits]
     n = p.numel()
     padded = -(-n // ALIGN) * ALIGN
-    if bits == 8:
-        cm = torch.zeros(padded, dtype=torch.uint8)
-        cm[:n] = mc
-        cv = torch.zeros(padded, dtype=torch.uint8)
-        cv[:n] = vc
-    else:
-        cm, cv = _unpack4(mc, padded), _unpack4(vc, padded)
-    table = codecs.M8_TABLE if bits == 8 else codecs.M4_TABLE
-    m = table.index_select(0, cm.to(torch.int32)).view(-1, mb)
-    m *= _padded(ms, padded // mb)[:, None]
-    v = cv.to(torch.float32).add_(1.0).view(-1, V_BLOCK)
-    v *= _padded(vs, padded // V_BLOCK)[:, None]
-    m, v = m.view(-1), v.view(-1)
+    m = codecs.decode_m_blocks(
+        _unpacked(mc, padded, fmt.m_bits).view(-1, fmt.m_block), _padded(ms, padded // fmt.m_block), bits
+    ).view(-1)
+    v = codecs.decode_v_blocks(
+        _unpacked(vc, padded, fmt.v_bits).view(-1, fmt.v_block), _padded(vs, padded // fmt.v_block), bits
+    ).view(-1)
     gi = _padded(g, padded)
     if h.maximize:
         gi.neg_()
@@ -267,19 +257,15 @@ def _torch_chunk(
     p.copy_(pi[:n])
     m[n:] = 0.0
     v[n:] = 0.0
-    new_m, m_scale = codecs.encode_m_blocks(m.view(-1, mb), bits)
-    new_v, v_scale = codecs.encode_v_blocks(v.view(-1, V_BLOCK), bits)
+    new_m, m_scale = codecs.encode_m_blocks(m.view(-1, fmt.m_block), bits)
+    new_v, v_scale = codecs.encode_v_blocks(v.view(-1, fmt.v_block), bits)
     ms.copy_(m_scale[: ms.numel()])
     vs.copy_(v_scale[: vs.numel()])
-    new_m, new_v = new_m.view(-1), new_v.view(-1)
-    if bits == 8:
-        mc.copy_(new_m[:n])
-        vc.copy_(new_v[:n])
-        return
-    for codes, new in ((mc, new_m), (vc, new_v)):
-        packed = codecs.pack4(new)[: codes.numel()]
-        if n % 2:  # keep the high nibble (the element after the slice) of the last byte
-            packed[-1] = (codes[-1] & 0xF0) | (packed[-1] & 0x0F)
+    for codes, new, w in ((mc, new_m, fmt.m_bits), (vc, new_v, fmt.v_bits)):
+        packed = codecs.pack(new.view(-1)[:n], w)
+        if n * w % 8:  # keep the bits of the elements after the slice in its last byte
+            keep = (0xFF << (n * w % 8)) & 0xFF
+            packed[-1] = (codes[-1] & keep) | packed[-1]
         codes.copy_(packed)
 
 
@@ -290,11 +276,11 @@ def _padded(x: Tensor, size: int) -> Tensor:
     return out
 
 
-def _unpack4(packed: Tensor, size: int) -> Tensor:
+def _unpacked(packed: Tensor, size: int, width: int) -> Tensor:
+    """``size`` codes (zero beyond the packed ones) from ``packed``."""
     out = torch.zeros(size, dtype=torch.uint8)
-    k = packed.numel()
-    out[0 : 2 * k : 2] = packed & 15
-    out[1 : 2 * k : 2] = packed >> 4
+    codes = codecs.unpack(packed, packed.numel() * 8 // width, width)
+    out[: codes.numel()] = codes
     return out
 
 

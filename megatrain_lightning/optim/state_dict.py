@@ -1,7 +1,8 @@
 """CPUAdamW's state in torch's format, and per block for checkpoints (one block in memory at a time).
 
 Uncompressed, ``save`` gives ``torch.optim.AdamW``'s ``state_dict`` (views of the store) and ``load``
-takes one; compressed, the moments are saved as stored (codes and scales per block).
+takes one; compressed, the moments are saved as stored (codes and scales per block) with the codec
+they were stored by (``"codec"``: compression and ``codecs.FORMAT_VERSION``), which ``load`` checks.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ def save(optimizer: CPUAdamW) -> dict[str, Any]:
     optimizer.wait_all()
     if optimizer.bits:
         blocks = {b: block_state(optimizer, b) for b in range(len(optimizer.store.blocks))}
-        return {"state": {}, "param_groups": param_groups_state(optimizer), "blocks": blocks}
+        return {
+            "state": {},
+            "param_groups": param_groups_state(optimizer),
+            "blocks": blocks,
+            "codec": codec_info(optimizer.compression),
+        }
     state: dict[int, dict[str, Tensor]] = {}
     views: dict[int, list[list[Tensor]]] = {}
     for i, (block, index) in enumerate(optimizer.order):
@@ -88,6 +94,7 @@ def load(optimizer: CPUAdamW, state_dict: dict[str, Any]) -> None:
     if optimizer.bits or "blocks" in state_dict:
         if optimizer.bits is None or "blocks" not in state_dict:
             raise ValueError("megatrain: optimizer state saved with another `optimizer_compression`")
+        check_codec(optimizer.compression, state_dict.get("codec"))
         for block, tensors in state_dict["blocks"].items():
             load_block_state(optimizer, int(block), tensors)
         return
@@ -102,18 +109,40 @@ def load(optimizer: CPUAdamW, state_dict: dict[str, Any]) -> None:
                 optimizer.store.blocks[block].views(flat)[index].copy_(saved[kind])
 
 
+def codec_info(compression: str) -> dict[str, Any]:
+    """What compressed moments must be read with: the compression and the codecs' format version."""
+    return {"compression": compression, "version": codecs.FORMAT_VERSION}
+
+
+def check_codec(compression: str, saved: dict[str, Any] | None) -> None:
+    """Refuse compressed moments stored by another codec than ``compression``'s today. State saved before
+    the codec was recorded (version 1) is int8's format or issue 4's int4 (blocks of 128, linear v map);
+    int8 is unchanged, so only such int4 state is refused."""
+    saved = saved or {"compression": compression, "version": 1}
+    if saved["compression"] != compression:
+        raise ValueError(
+            "megatrain: the optimizer state was saved with "
+            f"`optimizer_compression={saved['compression']!r}`; resume it with that setting (this run uses "
+            f"{compression!r})."
+        )
+    if saved["version"] != codecs.FORMAT_VERSION and not (compression == "int8" and saved["version"] == 1):
+        raise ValueError(
+            f"megatrain: this {compression} optimizer state was stored in {compression} format version "
+            f"{saved['version']}, which changed in version {codecs.FORMAT_VERSION} (see optim/codecs.py); "
+            "resume it with the megatrain that wrote it, or train on from its weights with a fresh optimizer."
+        )
+
+
 def define_kinds(store: HostStore, quantized: list[int], bits: int | None) -> None:
     """The store kinds holding the moments: fp32 ``exp_avg``/``exp_avg_sq`` past each block's quantized
     region (``quantized[block]`` elements), and with ``bits`` the codes and scales before it."""
     for kind in FP32_MOMENTS:
         store.define_kind(kind, torch.float32, lambda b: b.numel - quantized[b.index])
     if bits:
-        code = lambda b: codecs.code_bytes(quantized[b.index], bits)  # noqa: E731
-        store.define_kind("m_codes", torch.uint8, code)
-        store.define_kind("v_codes", torch.uint8, code)
-        store.define_kind(
-            "m_scales", torch.float32, lambda b: codecs.num_scales(quantized[b.index], "m", bits)
-        )
-        store.define_kind(
-            "v_scales", torch.float32, lambda b: codecs.num_scales(quantized[b.index], "v", bits)
-        )
+        for m in ("m", "v"):
+            store.define_kind(
+                f"{m}_codes", torch.uint8, lambda b, m=m: codecs.code_bytes(quantized[b.index], m, bits)
+            )
+            store.define_kind(
+                f"{m}_scales", torch.float32, lambda b, m=m: codecs.num_scales(quantized[b.index], m, bits)
+            )

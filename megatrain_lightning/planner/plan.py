@@ -12,8 +12,8 @@ megatrain, disk tier   2 slots x largest block + activations  the blocks in use 
 =====================  =====================================  ===========================  ===========
 
 where the megatrain store is 4 B/param of fp32 master weights plus the Adam state: 8 (fp32),
-2 + 4/256 + 4/128 (int8: m in blocks of 256, v in blocks of 128, one fp32 scale per block) or
-1 + 8/128 (int4: m and v in blocks of 128) B/param. The host tier is chosen when the store and
+about 2.05 (int8), 1.09 (int4), 0.88 (int3) or 0.69 (int2) B/param (``codecs.state_bytes``: codes
+plus one fp32 scale per block). The host tier is chosen when the store and
 the gradient buffer fit in RAM; otherwise both live on disk (as the strategy lays them out) and
 the RAM caches them, at least the blocks in use. Beside either, the gradient offload pins two
 staging buffers of the largest block in fp32. A slot holds the largest block on the device, in the
@@ -45,6 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.slots import mixed_fp32_numels
+from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
 from megatrain_lightning.store.sizing import staging_bytes, working_blocks
@@ -54,7 +55,11 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4.0  # fp32 master weights in the store
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
-STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
+# Adam m and v per parameter: fp32, or the block-quantized formats' codes and scales (codecs.FORMATS)
+STATE_BYTES = {
+    name: 8.0 if bits is None else codecs.state_bytes(1 << 20, bits) / (1 << 20)
+    for name, bits in OPTIMIZER_COMPRESSIONS.items()
+}
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
 MIN_SLOTS = 2  # one block computing while the next one is fetched
 # Disk tier: fp32 blocks of one kind held in RAM beyond one per slot (the strategy's working set with

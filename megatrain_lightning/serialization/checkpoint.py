@@ -224,6 +224,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
     if optimizer is not None:
         writer.manifest["optimizer"] = {
             "compression": optimizer.compression,
+            "codec": adam_state.codec_info(optimizer.compression) if optimizer.bits else None,
             "params": [engine.blocks[b].params[i].name for b, i in optimizer.order],
         }
     writer.text("README.txt", README)
@@ -252,6 +253,9 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
 
 
 def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
+    saved = ckpt.manifest["optimizer"]
+    if optimizer.bits or saved["compression"] != "none":
+        adam_state.check_codec(optimizer.compression, saved.get("codec") or {**saved, "version": 1})
     entries = ckpt.optimizer().entries
     for block in engine.blocks:
         adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
@@ -383,6 +387,8 @@ def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
     order; parameters never stepped have no state, as in torch."""
     info = ckpt.manifest["optimizer"]
     bits = COMPRESSIONS[info["compression"]]
+    if bits:
+        adam_state.check_codec(info["compression"], info.get("codec") or {**info, "version": 1})
     number = {name: i for i, name in enumerate(info["params"])}
     entries = ckpt.optimizer().entries
     state: dict[int, dict[str, Tensor]] = {}

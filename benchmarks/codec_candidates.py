@@ -1,0 +1,350 @@
+"""Which low-bit Adam state format tracks fp32 Adam best: measured on real gradients, not guessed.
+
+Run: ``python benchmarks/codec_candidates.py [--steps 300 --lr 3e-3] [--train-steps 300]``.
+
+1. *State error on real gradient statistics.* A small byte-level Llama trains on the Python standard
+   library's sources (``realtext.py``) with fp32 AdamW. For a few weight matrices of its decoder layers,
+   every candidate format replays the same gradient stream (teacher forced: decode the stored state,
+   update it in fp32 with this step's gradient, re-encode), beside the exact fp32 moments. Reported: the
+   RMS relative error ``||x_q - x|| / ||x||`` of m, of v and of the resulting Adam update
+   ``m_hat / (sqrt(v_hat) + eps)``, averaged over steps (after the first 10) and tensors.
+2. *Final loss.* The most promising combinations train the model themselves (their quantized state fed
+   back), and their held-out validation loss is compared with fp32 state's.
+
+The candidates here are plain whole-tensor torch (research code); the chosen formats live in
+``megatrain_lightning/optim/codecs.py`` and the fused kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from realtext import batches, stdlib_tokens
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from megatrain_lightning.presets import tiny_config
+
+M4_LI = [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+         0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0]  # fmt: skip
+M3_DE = [-0.75, -0.3, -0.06, 0.0, 0.06, 0.3, 0.65, 1.0]
+M3_LIN = [-0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0]
+M2 = [-0.5, 0.0, 0.5, 1.0]
+
+
+# -- stochastic rounding helpers --
+
+
+class Noise:
+    """Uniform [0, 1) numbers, seeded per (tensor, step): reproducible."""
+
+    def __init__(self, tensor_id: int) -> None:
+        self.tensor_id, self.step = tensor_id, 0
+
+    def __call__(self, shape: torch.Size) -> Tensor:
+        g = torch.Generator().manual_seed(self.tensor_id * 100_003 + self.step)
+        return torch.rand(shape, generator=g)
+
+
+def _round_table(y: Tensor, table: Tensor, u: Tensor | None) -> Tensor:
+    """Nearest table value (or stochastic between the two neighbours when ``u`` is given)."""
+    if u is None:
+        mids = (table[1:] + table[:-1]) / 2
+        return table[torch.bucketize(y, mids)]
+    lo = (torch.bucketize(y, table, right=True) - 1).clamp(0, table.numel() - 2)
+    a, b = table[lo], table[lo + 1]
+    frac = ((y - a) / (b - a)).clamp(0, 1)
+    return torch.where(u < frac, b, a)
+
+
+def _blocks(x: Tensor, size: int) -> tuple[Tensor, int]:
+    flat = x.reshape(-1)
+    pad = -flat.numel() % size
+    return torch.cat([flat, flat.new_zeros(pad)]).view(-1, size), flat.numel()
+
+
+# -- candidate codecs: x -> decode(encode(x)) --
+
+
+def m_table(table: list[float], block: int, sr: bool = False) -> Callable:
+    t = torch.tensor(table)
+
+    def codec(x: Tensor, noise: Noise) -> Tensor:
+        b, n = _blocks(x, block)
+        amax = b.abs().amax(1)
+        pos = b.clamp(min=0).amax(1)
+        signed = torch.where(pos >= amax, amax, -amax)
+        scale = torch.where(signed == 0, torch.ones_like(signed), signed)[:, None]
+        y = b / scale
+        out = _round_table(y, t, noise(y.shape) if sr else None) * scale
+        return out.reshape(-1)[:n].view_as(x)
+
+    return codec
+
+
+def m_e4m3(block: int = 256) -> Callable:
+    from megatrain_lightning.optim import codecs
+
+    def codec(x: Tensor, noise: Noise) -> Tensor:
+        return codecs.dequantize(*codecs.quantize(x, "m", 8), "m", 8, x.numel()).view_as(x)
+
+    return codec
+
+
+def v_linear(bits: int, block: int, sr: bool = False, power: float = 1.0) -> Callable:
+    """Linear map without zero, code c -> (c + 1) / 2^bits of the block max, applied to v^power."""
+    levels = 1 << bits
+
+    def codec(x: Tensor, noise: Noise) -> Tensor:
+        b, n = _blocks(x.clamp(min=0) ** power, block)
+        amax = b.amax(1, keepdim=True).clamp(min=2.0**-100)
+        q = b / amax * levels
+        c = torch.floor(q + noise(q.shape)) if sr else torch.round(q)
+        out = (c.clamp(1, levels) / levels * amax) ** (1 / power)
+        return out.reshape(-1)[:n].view_as(x)
+
+    return codec
+
+
+def v_rank1(bits: int, sr: bool = False, power: float = 1.0) -> Callable:
+    """Li et al. 2023: scale of (i, j) = min(row max i, column max j), linear map without zero."""
+    levels = 1 << bits
+    fallback = v_linear(bits, 128, sr, power)
+
+    def codec(x: Tensor, noise: Noise) -> Tensor:
+        if x.dim() != 2:
+            return fallback(x, noise)
+        y = x.clamp(min=0) ** power
+        scale = torch.minimum(y.amax(1, keepdim=True), y.amax(0, keepdim=True)).clamp(min=2.0**-100)
+        q = y / scale * levels
+        c = torch.floor(q + noise(q.shape)) if sr else torch.round(q)
+        return (c.clamp(1, levels) / levels * scale) ** (1 / power)
+
+    return codec
+
+
+def v_log(bits: int, block: int, octaves_per_code: float, sr: bool = False) -> Callable:
+    """Dynamic exponent without zero: code c -> block max * 2^(-c * octaves_per_code)."""
+    levels = 1 << bits
+
+    def codec(x: Tensor, noise: Noise) -> Tensor:
+        b, n = _blocks(x.clamp(min=0), block)
+        amax = b.amax(1, keepdim=True).clamp(min=2.0**-100)
+        k = -torch.log2((b / amax).clamp(min=2.0**-126)) / octaves_per_code
+        c = torch.floor(k + noise(k.shape)) if sr else torch.round(k)
+        out = amax * torch.exp2(-c.clamp(0, levels - 1) * octaves_per_code)
+        return out.reshape(-1)[:n].view_as(x)
+
+    return codec
+
+
+FACTORED = "factored"  # Adafactor's rows x columns second moment (not a codec: its own state)
+
+
+M_CANDIDATES: dict[str, Callable | None] = {
+    "fp32": None,
+    "int8 E4M3 b256 (today)": m_e4m3(),
+    "4b DE b128 (today)": m_table(M4_LI, 128),
+    "4b DE b64": m_table(M4_LI, 64),
+    "4b DE b32": m_table(M4_LI, 32),
+    "4b DE b128 SR": m_table(M4_LI, 128, sr=True),
+    "4b DE b64 SR": m_table(M4_LI, 64, sr=True),
+    "3b DE b64": m_table(M3_DE, 64),
+    "3b DE b32": m_table(M3_DE, 32),
+    "3b DE b64 SR": m_table(M3_DE, 64, sr=True),
+    "3b DE b32 SR": m_table(M3_DE, 32, sr=True),
+    "3b lin b64 SR": m_table(M3_LIN, 64, sr=True),
+    "2b b32 SR": m_table(M2, 32, sr=True),
+    "2b b32": m_table(M2, 32),
+}
+V_CANDIDATES: dict[str, Callable | str | None] = {
+    "fp32": None,
+    "int8 lin b128 (today)": v_linear(8, 128),
+    "4b lin b128 (today)": v_linear(4, 128),
+    "4b lin b128 SR": v_linear(4, 128, sr=True),
+    "4b lin b32": v_linear(4, 32),
+    "4b rank-1 lin (Li)": v_rank1(4),
+    "4b rank-1 lin SR": v_rank1(4, sr=True),
+    "4b sqrt-lin b128": v_linear(4, 128, power=0.5),
+    "4b sqrt-lin b128 SR": v_linear(4, 128, sr=True, power=0.5),
+    "4b rank-1 sqrt-lin": v_rank1(4, power=0.5),
+    "4b rank-1 sqrt-lin SR": v_rank1(4, sr=True, power=0.5),
+    "4b log 0.5oct b128": v_log(4, 128, 0.5),
+    "4b log 0.5oct b128 SR": v_log(4, 128, 0.5, sr=True),
+    "4b log 0.33oct b128": v_log(4, 128, 1 / 3),
+    "4b log 0.75oct b128": v_log(4, 128, 0.75),
+    "4b log 0.5oct b32": v_log(4, 32, 0.5),
+    "3b log 1oct b128": v_log(3, 128, 1.0),
+    "3b log 0.75oct b64": v_log(3, 64, 0.75),
+    "2b log 2oct b64": v_log(2, 64, 2.0),
+    "3b sqrt-lin b128 SR": v_linear(3, 128, sr=True, power=0.5),
+    "3b rank-1 sqrt-lin SR": v_rank1(3, sr=True, power=0.5),
+    "3b log 1oct b128 SR": v_log(3, 128, 1.0, sr=True),
+    "2b rank-1 sqrt-lin SR": v_rank1(2, sr=True, power=0.5),
+    "factored (Adafactor)": FACTORED,
+}
+
+
+# -- Adam with a candidate state format, one tensor --
+
+
+@dataclass
+class Hyper:
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+
+class QAdamState:
+    """m and v of one tensor, stored through the candidate codecs (``None``: fp32)."""
+
+    def __init__(self, shape: torch.Size, m_codec, v_codec, tensor_id: int) -> None:
+        self.m = torch.zeros(shape)
+        self.m_codec, self.v_codec = m_codec, v_codec
+        self.factored = v_codec == FACTORED and len(shape) == 2
+        if self.factored:
+            self.rows, self.cols = torch.zeros(shape[0]), torch.zeros(shape[1])
+        else:
+            self.v = torch.zeros(shape)
+        self.noise = Noise(tensor_id)
+        self.step = 0
+
+    def moments(self, grad: Tensor, h: Hyper) -> tuple[Tensor, Tensor]:
+        """This step's (m, v) as used by the update; the stored state becomes their encodings."""
+        self.step += 1
+        self.noise.step = self.step
+        m = self.m * h.beta1 + grad * (1 - h.beta1)
+        g2 = grad * grad
+        if self.factored:
+            self.rows = self.rows * h.beta2 + g2.mean(1) * (1 - h.beta2)
+            self.cols = self.cols * h.beta2 + g2.mean(0) * (1 - h.beta2)
+            v = self.rows[:, None] * self.cols[None, :] / self.rows.mean().clamp(min=1e-30)
+        else:
+            v = self.v * h.beta2 + g2 * (1 - h.beta2)
+            codec = self.v_codec if self.v_codec != FACTORED else v_linear(4, 128)
+            self.v = codec(v, self.noise) if codec is not None else v
+        self.m = self.m_codec(m, self.noise) if self.m_codec is not None else m
+        return m, v
+
+    def update(self, grad: Tensor, h: Hyper) -> Tensor:
+        m, v = self.moments(grad, h)
+        self.last_v = v
+        bc1, bc2 = 1 - h.beta1**self.step, 1 - h.beta2**self.step
+        return (m / bc1) / ((v / bc2).sqrt() + h.eps)
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+# -- model and data --
+
+
+def make_model(hidden: int, layers: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = tiny_config(
+        "llama",
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.6875) // 16 * 16,
+        num_hidden_layers=layers,
+        num_attention_heads=max(4, hidden // 64),
+        num_key_value_heads=max(4, hidden // 64),
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def lm_loss(model: torch.nn.Module, tokens: Tensor) -> Tensor:
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def tracked(model: torch.nn.Module) -> dict[str, Tensor]:
+    """A few weight matrices of the decoder layers (attention and MLP, early and late)."""
+    names = [n for n, _ in model.named_parameters()]
+    want = ("layers.0.self_attn.q_proj", "layers.0.mlp.down_proj", "layers.1.self_attn.v_proj",
+            "layers.1.mlp.up_proj", "layers.2.self_attn.o_proj", "layers.3.mlp.gate_proj")  # fmt: skip
+    params = dict(model.named_parameters())
+    return {n: params[n] for n in names if any(w in n for w in want) and n.endswith("weight")}
+
+
+def state_errors(args) -> None:
+    train, _ = stdlib_tokens()
+    model = make_model(args.hidden, args.layers, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    watch = tracked(model)
+    h = Hyper()
+    m_sims = {(name, c): QAdamState(p.shape, codec, None, i) for i, (name, p) in enumerate(watch.items())
+              for c, codec in M_CANDIDATES.items()}  # fmt: skip
+    v_sims = {(name, c): QAdamState(p.shape, None, codec, i) for i, (name, p) in enumerate(watch.items())
+              for c, codec in V_CANDIDATES.items()}  # fmt: skip
+    err = {k: [] for k in [("m", c) for c in M_CANDIDATES] + [(x, c) for c in V_CANDIDATES for x in "vu"]}
+    data = batches(train, args.batch, args.seq, seed=0)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.lr, args.warmup, args.steps)
+        loss = lm_loss(model, next(data))
+        opt.zero_grad()
+        loss.backward()
+        for name, p in watch.items():
+            g = p.grad
+            exact_m, _ = m_sims[(name, "fp32")].moments(g, h)
+            fp32 = v_sims[(name, "fp32")]
+            exact_u, exact_v = fp32.update(g, h), fp32.last_v
+            for c in M_CANDIDATES:
+                if c != "fp32":
+                    m, _ = m_sims[(name, c)].moments(g, h)
+                    if step >= 10:
+                        err[("m", c)].append(_rel(m, exact_m))
+            for c in V_CANDIDATES:
+                if c == "fp32":
+                    continue
+                sim = v_sims[(name, c)]
+                u = sim.update(g, h)
+                if step >= 10:
+                    err[("u", c)].append(_rel(u, exact_u))
+                    err[("v", c)].append(_rel(sim.last_v, exact_v))
+        opt.step()
+        if step % 50 == 0:
+            print(f"step {step} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"\nRMS relative error, mean over steps {10}..{args.steps} and {len(watch)} tensors "
+          f"(lr {args.lr}, hidden {args.hidden}, {args.layers} layers):")  # fmt: skip
+    print("| m format | m error |\n| --- | ---: |")
+    for c in M_CANDIDATES:
+        if c != "fp32":
+            print(f"| {c} | {sum(err[('m', c)]) / len(err[('m', c)]):.4f} |")
+    print("\n| v format | v error | update error (fp32 m) |\n| --- | ---: | ---: |")
+    mean = {key: sum(values) / len(values) for key, values in err.items() if values}
+    for c in V_CANDIDATES:
+        if c != "fp32":
+            print(f"| {c} | {mean[('v', c)]:.4f} | {mean[('u', c)]:.4f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=129)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    state_errors(args)
+
+
+if __name__ == "__main__":
+    main()
