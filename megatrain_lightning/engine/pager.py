@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import result_of
 from megatrain_lightning.engine.trace import Trace
 from megatrain_lightning.store.host import HostStore
@@ -98,6 +99,7 @@ class Pager:
     def acquire(self, block: int, backward: bool) -> Tensor:
         """Make ``block`` resident, pin it and return its slot (flat, ``block.numel`` long)."""
         start = time.perf_counter()
+        point("pager.acquire")
         with self._cond:
             self.trace.access((block, backward))
             slot = self._resident.get(block)
@@ -206,6 +208,7 @@ class Pager:
         ``finish(self._finish_load, ...)`` (inline, or in the worker) (lock not held)."""
         unpin = contextlib.ExitStack()
         try:
+            point("pager.load.before")
             self._wait_for_update(block)
             src = unpin.enter_context(self.store.pinned(block, "param"))
             start = time.perf_counter()
@@ -217,6 +220,7 @@ class Pager:
                     self._copy_stream.wait_event(slot.released)
                     dst.copy_(src, non_blocking=True)
                     slot.copied.record(self._copy_stream)
+            point("pager.load.after")
         except BaseException as err:  # surfaces in the waiting compute thread
             unpin.close()
             slot.ready.set_exception(err)

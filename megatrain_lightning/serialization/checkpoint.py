@@ -34,6 +34,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
@@ -74,6 +75,7 @@ def replace_dir(new: str, target: str) -> None:
         return
     old = f"{target.rstrip(os.sep)}.old-{os.getpid()}"
     os.rename(target, old)
+    point("ckpt.replace", target)
     os.rename(new, target)
     shutil.rmtree(old, ignore_errors=True)
 
@@ -100,6 +102,7 @@ class CheckpointWriter:
         self.manifest: dict[str, Any] = {"format": FORMAT, "version": 1}
 
     def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
+        point("ckpt.write", os.path.join(self.tmp, relpath))
         writer = ShardWriter(
             os.path.join(self.tmp, relpath), [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
         )
@@ -108,18 +111,21 @@ class CheckpointWriter:
         self._record(relpath, writer.close())
 
     def text(self, relpath: str, content: str) -> None:
+        point("ckpt.write", os.path.join(self.tmp, relpath))
         with open(os.path.join(self.tmp, relpath), "w") as f:
             f.write(content)
         self._record(relpath, sha256_file(os.path.join(self.tmp, relpath)))
 
     def lightning_state(self, state: dict[str, Any]) -> None:
         path = os.path.join(self.tmp, LIGHTNING_STATE)
+        point("ckpt.write", path)
         torch.save(state, path)
         self._record(LIGHTNING_STATE, sha256_file(path))
 
     def publish(self) -> None:
         self.manifest["files"] = self.files
         path = os.path.join(self.tmp, MANIFEST)
+        point("ckpt.write", path)
         with open(path, "w") as f:
             json.dump(self.manifest, f, indent=1)
             f.flush()
@@ -152,6 +158,7 @@ class CheckpointDir:
             raise CheckpointError(f"{path}/{MANIFEST} does not describe a megatrain checkpoint.")
         for relpath, info in manifest["files"].items():
             file = os.path.join(path, relpath)
+            point("ckpt.read", file)
             if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
                 raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
             if sha256_file(file) != info["sha256"]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy, result_of
 from megatrain_lightning.store.arena import Arena, whole_pages_in
 from megatrain_lightning.store.host import HostStore
@@ -140,6 +141,7 @@ class DiskStore(HostStore):
         it ranks after the claims made earlier and before everything the trace predicts."""
         keys = [(block, kind) for kind in kinds]
         me = threading.get_ident()
+        point("store.pin")
         with self._cond:
             if self._failure is not None:
                 raise fresh_copy(self._failure)

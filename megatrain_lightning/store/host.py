@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import host_empty
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -50,6 +51,7 @@ class HostStore:
     @contextlib.contextmanager
     def pinned(self, block: int, kind: str, write: bool = False) -> Iterator[Tensor]:
         """The flat buffer of ``kind`` for ``block`` (zeros until first written), held for the context."""
+        point("store.pin")
         yield self._buffer(block, kind)
 
     @contextlib.contextmanager

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
+
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
 
@@ -61,12 +63,14 @@ class BlockFile:
         view = memoryview(buf.numpy())
         for start in range(0, len(view), self.config.chunk_bytes):
             chunk = view[start : start + self.config.chunk_bytes]
+            point("disk.read", self.path)
             self._check(os.preadv(self.fd, [chunk], offset + start), len(chunk), "read")
 
     def write(self, offset: int, buf: Tensor) -> None:
         view = memoryview(buf.numpy())
         for start in range(0, len(view), self.config.chunk_bytes):
             chunk = view[start : start + self.config.chunk_bytes]
+            point("disk.write", self.path)
             self._check(os.pwritev(self.fd, [chunk], offset + start), len(chunk), "write")
 
     def _check(self, done: int, wanted: int, what: str) -> None:
