@@ -12,13 +12,17 @@ Layout of ``<name>.ckpt/``::
     optimizer/block-NNNNN.safetensors  the optimizer's per-block state (compressed when it is)
 
 Everything is written under ``<name>.ckpt.tmp-<pid>`` and renamed into place once complete, so
-a crash leaves the previous checkpoint intact and nothing that looks complete but is not.
+a crash leaves the previous checkpoint intact and nothing that looks complete but is not (a crash
+between the two renames that replace a checkpoint leaves the previous one at ``<name>.ckpt.old-<pid>``:
+the next save or load of ``<name>.ckpt`` moves it back; what dead processes left is removed then).
 ``open_checkpoint`` and ``convert_checkpoint`` turn a checkpoint of a model that fits in RAM into
 a standard single-file Lightning checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import io
 import json
 import math
@@ -68,6 +72,55 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
+class CheckpointIOError(OSError):
+    """Reading or writing a checkpoint failed; the message names the file and what to do."""
+
+
+def io_failure(err: OSError, path: str, writing: bool) -> CheckpointIOError:
+    """A clear error for a checkpoint file that could not be read or written (nothing was published or
+    loaded: the previous checkpoint is unchanged)."""
+    file = err.filename or path
+    if err.errno == errno.ENOSPC:
+        hint = f"free space on the disk holding {path} or save checkpoints elsewhere"
+    else:
+        hint = f"check the disk holding {path}"
+    what = f"writing the checkpoint {path}" if writing else f"reading the checkpoint {path}"
+    unchanged = "the previous checkpoint there is unchanged" if writing else "the checkpoint is unchanged"
+    return CheckpointIOError(
+        err.errno, f"megatrain: {what} failed at {file}: {err.strerror or err}; {hint} ({unchanged})."
+    )
+
+
+def recover(target: str) -> None:
+    """Undo what a process killed while saving ``target`` left: the previous checkpoint moved aside by
+    ``replace_dir`` is moved back, and the partial copies of dead processes are removed."""
+    target = os.fspath(target).rstrip(os.sep)
+    for leftover in sorted(
+        glob.glob(f"{glob.escape(target)}.old-*") + glob.glob(f"{glob.escape(target)}.tmp-*")
+    ):
+        if _alive(leftover.rsplit("-", 1)[1]):
+            continue
+        if leftover.startswith(f"{target}.old-") and not os.path.exists(target):
+            os.rename(leftover, target)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: str) -> bool:
+    """Whether the process that named a leftover ``pid`` may still be writing it (this one is not)."""
+    if not pid.isdigit():
+        return True  # not ours: left alone
+    if int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
 def replace_dir(new: str, target: str) -> None:
     """Move the complete directory ``new`` to ``target``, replacing what was there."""
     if not os.path.exists(target):
@@ -95,7 +148,7 @@ class CheckpointWriter:
     def __init__(self, path: str) -> None:
         self.path = os.fspath(path).rstrip(os.sep)
         self.tmp = f"{self.path}.tmp-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        recover(self.path)
         for sub in ("model", "optimizer"):
             os.makedirs(os.path.join(self.tmp, sub))
         self.files: dict[str, dict[str, Any]] = {}
@@ -145,12 +198,19 @@ class CheckpointDir:
     def verify(cls, path: str | os.PathLike) -> CheckpointDir:
         """Open a checkpoint after checking every file's size and checksum."""
         path = os.fspath(path)
+        recover(path)
         if not os.path.isdir(path):
             raise CheckpointError(f"{path} is not a megatrain checkpoint directory.")
         try:
             with open(os.path.join(path, MANIFEST)) as f:
                 manifest = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
+        except OSError as err:
+            if err.errno != errno.ENOENT:
+                raise io_failure(err, path, writing=False) from err
+            raise CheckpointError(
+                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
+            ) from err
+        except json.JSONDecodeError as err:
             raise CheckpointError(
                 f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
             ) from err
@@ -161,7 +221,11 @@ class CheckpointDir:
             point("ckpt.read", file)
             if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
                 raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
-            if sha256_file(file) != info["sha256"]:
+            try:
+                digest = sha256_file(file)
+            except OSError as err:
+                raise io_failure(err, path, writing=False) from err
+            if digest != info["sha256"]:
                 raise CheckpointError(
                     f"{file} does not match its checksum (corrupt); the checkpoint cannot be loaded."
                 )
@@ -201,8 +265,19 @@ def _block_file(kind: str, block: int) -> str:
 
 
 def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
-    """Write a checkpoint directory, one block in memory at a time."""
+    """Write a checkpoint directory, one block in memory at a time; on a failed write the partial copy is
+    removed and the previous checkpoint stays."""
     writer = CheckpointWriter(path)
+    try:
+        _write(writer, engine, module, lightning_state, optimizer)
+    except OSError as err:
+        shutil.rmtree(writer.tmp, ignore_errors=True)
+        raise io_failure(err, writer.path, writing=True) from err
+
+
+def _write(
+    writer: CheckpointWriter, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any
+) -> None:
     for block in engine.blocks:
         with engine.store.pinned(block.index, "param") as flat:
             names = [p.name for p in block.params]
@@ -249,6 +324,13 @@ def check_compatible(ckpt: CheckpointDir, engine: Any) -> None:
 
 
 def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
+    try:
+        _load_weights(ckpt, engine, module)
+    except OSError as err:
+        raise io_failure(err, ckpt.path, writing=False) from err
+
+
+def _load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
     entries = ckpt.weights().entries
     for block in engine.blocks:
         with engine.store.pinned(block.index, "param", write=True) as flat:
@@ -262,8 +344,11 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
 
 def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     entries = ckpt.optimizer().entries
-    for block in engine.blocks:
-        adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
+    try:
+        for block in engine.blocks:
+            adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
+    except OSError as err:
+        raise io_failure(err, ckpt.path, writing=False) from err
 
 
 def adam_state_as_blocks(
