@@ -22,7 +22,6 @@ a standard single-file Lightning checkpoint.
 from __future__ import annotations
 
 import errno
-import glob
 import io
 import json
 import math
@@ -43,20 +42,25 @@ from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.serialization.hf import WeightFiles, hf_model
+from megatrain_lightning.serialization.publish import (
+    FORMAT,
+    LIGHTNING_STATE,
+    MANIFEST,
+    CheckpointWriter,
+    io_failure,
+    recover,
+)
 from megatrain_lightning.serialization.safetensors_io import (
     SafetensorsError,
-    ShardWriter,
     TensorEntry,
     read_header,
     read_into,
     read_tensor,
     sha256_file,
 )
+from megatrain_lightning.store.io import StoreIOError
 from megatrain_lightning.store.preflight import available_ram_bytes
 
-FORMAT = "megatrain-checkpoint"
-MANIFEST = "manifest.json"
-LIGHTNING_STATE = "lightning.pt"
 README = """This directory is a megatrain checkpoint: resume it with `Trainer(strategy="megatrain")` and
 `fit(ckpt_path=<this directory>)`. `torch.load` and `LightningModule.load_from_checkpoint` need a file:
     MyModule.load_from_checkpoint(megatrain_lightning.open_checkpoint("<this directory>"))
@@ -72,67 +76,6 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
-class CheckpointIOError(OSError):
-    """Reading or writing a checkpoint failed; the message names the file and what to do."""
-
-
-def io_failure(err: OSError, path: str, writing: bool) -> CheckpointIOError:
-    """A clear error for a checkpoint file that could not be read or written (nothing was published or
-    loaded: the previous checkpoint is unchanged)."""
-    file = err.filename or path
-    if err.errno == errno.ENOSPC:
-        hint = f"free space on the disk holding {path} or save checkpoints elsewhere"
-    else:
-        hint = f"check the disk holding {path}"
-    what = f"writing the checkpoint {path}" if writing else f"reading the checkpoint {path}"
-    unchanged = "the previous checkpoint there is unchanged" if writing else "the checkpoint is unchanged"
-    return CheckpointIOError(
-        err.errno, f"megatrain: {what} failed at {file}: {err.strerror or err}; {hint} ({unchanged})."
-    )
-
-
-def recover(target: str) -> None:
-    """Undo what a process killed while saving ``target`` left: the previous checkpoint moved aside by
-    ``replace_dir`` is moved back, and the partial copies of dead processes are removed."""
-    target = os.fspath(target).rstrip(os.sep)
-    for leftover in sorted(
-        glob.glob(f"{glob.escape(target)}.old-*") + glob.glob(f"{glob.escape(target)}.tmp-*")
-    ):
-        if _alive(leftover.rsplit("-", 1)[1]):
-            continue
-        if leftover.startswith(f"{target}.old-") and not os.path.exists(target):
-            os.rename(leftover, target)
-        else:
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _alive(pid: str) -> bool:
-    """Whether the process that named a leftover ``pid`` may still be writing it (this one is not)."""
-    if not pid.isdigit():
-        return True  # not ours: left alone
-    if int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
-def replace_dir(new: str, target: str) -> None:
-    """Move the complete directory ``new`` to ``target``, replacing what was there."""
-    if not os.path.exists(target):
-        os.rename(new, target)
-        return
-    old = f"{target.rstrip(os.sep)}.old-{os.getpid()}"
-    os.rename(target, old)
-    point("ckpt.replace", target)
-    os.rename(new, target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
     buffers = {}
     for prefix, sub in module.named_modules():
@@ -140,53 +83,6 @@ def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
             if buf is not None and name not in sub._non_persistent_buffers_set:
                 buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu()
     return buffers
-
-
-class CheckpointWriter:
-    """Collects the files of one checkpoint under a temporary name, then publishes them."""
-
-    def __init__(self, path: str) -> None:
-        self.path = os.fspath(path).rstrip(os.sep)
-        self.tmp = f"{self.path}.tmp-{os.getpid()}"
-        recover(self.path)
-        for sub in ("model", "optimizer"):
-            os.makedirs(os.path.join(self.tmp, sub))
-        self.files: dict[str, dict[str, Any]] = {}
-        self.manifest: dict[str, Any] = {"format": FORMAT, "version": 1}
-
-    def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
-        point("ckpt.write", os.path.join(self.tmp, relpath))
-        writer = ShardWriter(
-            os.path.join(self.tmp, relpath), [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-        )
-        for name, tensor in tensors.items():
-            writer.write(name, tensor)
-        self._record(relpath, writer.close())
-
-    def text(self, relpath: str, content: str) -> None:
-        point("ckpt.write", os.path.join(self.tmp, relpath))
-        with open(os.path.join(self.tmp, relpath), "w") as f:
-            f.write(content)
-        self._record(relpath, sha256_file(os.path.join(self.tmp, relpath)))
-
-    def lightning_state(self, state: dict[str, Any]) -> None:
-        path = os.path.join(self.tmp, LIGHTNING_STATE)
-        point("ckpt.write", path)
-        torch.save(state, path)
-        self._record(LIGHTNING_STATE, sha256_file(path))
-
-    def publish(self) -> None:
-        self.manifest["files"] = self.files
-        path = os.path.join(self.tmp, MANIFEST)
-        point("ckpt.write", path)
-        with open(path, "w") as f:
-            json.dump(self.manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        replace_dir(self.tmp, self.path)
-
-    def _record(self, relpath: str, sha256: str) -> None:
-        self.files[relpath] = {"bytes": os.path.getsize(os.path.join(self.tmp, relpath)), "sha256": sha256}
 
 
 @dataclass(frozen=True)
@@ -218,10 +114,10 @@ class CheckpointDir:
             raise CheckpointError(f"{path}/{MANIFEST} does not describe a megatrain checkpoint.")
         for relpath, info in manifest["files"].items():
             file = os.path.join(path, relpath)
-            point("ckpt.read", file)
             if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
                 raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
             try:
+                point("ckpt.read", file)
                 digest = sha256_file(file)
             except OSError as err:
                 raise io_failure(err, path, writing=False) from err
@@ -272,6 +168,8 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
         _write(writer, engine, module, lightning_state, optimizer)
     except OSError as err:
         shutil.rmtree(writer.tmp, ignore_errors=True)
+        if isinstance(err, StoreIOError):  # the store's own error names its file and what to do
+            raise
         raise io_failure(err, writer.path, writing=True) from err
 
 

@@ -15,7 +15,6 @@ update is done; consumed gradients are dropped without being written.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import json
 import os
@@ -33,7 +32,7 @@ from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy, result_of
 from megatrain_lightning.store.arena import Arena, whole_pages_in
 from megatrain_lightning.store.host import HostStore
-from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error
+from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error, lock_store_dir
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import ALIGNMENT, pages
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -90,7 +89,7 @@ class DiskStore(HostStore):
         self.directory = os.path.join(offload_dir, STORE_DIRNAME)
         self.io = io or IOConfig()
         os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = _lock(self.directory)
+        self._lock_fd = lock_store_dir(self.directory)
         self._cond = threading.Condition()
         self._arena = Arena(cache_bytes, pin_memory)
         self._entries: dict[tuple[int, str], _Entry] = {}
@@ -437,21 +436,6 @@ class DiskStore(HostStore):
         with open(path + ".tmp", "w") as f:
             json.dump(manifest, f, indent=1)
         os.replace(path + ".tmp", path)
-
-
-def _lock(directory: str) -> int:
-    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as err:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreIOError(
-            err.errno, f"megatrain: {directory} is in use by {owner}; give each run its own `offload_dir`."
-        ) from err
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-    return fd
 
 
 def _remove(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: bool) -> None:

@@ -6,6 +6,7 @@ files are opened buffered instead, and that is logged once.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 from dataclasses import dataclass
@@ -91,3 +92,24 @@ def io_error(err: OSError, path: str, what: str) -> StoreIOError:
         else "check the disk under offload_dir"
     )
     return StoreIOError(err.errno, f"megatrain: {what} {path} failed: {err.strerror or err}; {hint}.")
+
+
+def lock_store_dir(directory: str) -> int:
+    """Lock the store folder for this process (two runs cannot share it) and remove what an earlier owner
+    left there: a killed run's files are never read (a block reads as zeros until this store writes it),
+    only their space is taken back. The lock is an ``flock``, so the kernel releases a dead owner's."""
+    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as err:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreIOError(
+            err.errno, f"megatrain: {directory} is in use by {owner}; give each run its own `offload_dir`."
+        ) from err
+    for name in os.listdir(directory):
+        if name != "lock":
+            os.remove(os.path.join(directory, name))
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    return fd
