@@ -6,6 +6,7 @@ Short versions of ``benchmarks/chaos.py`` (a few seeds, a few kills, a few fault
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from chaos_runs import fault_trial, kill_trial, run_child
 from conftest import Run, assert_same_training, tiny_model, user_fit
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.engine import chaos
+from megatrain_lightning.engine import chaos, runtime
+from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.serialization import publish
 
 STEPS = 4
@@ -30,12 +32,20 @@ CASES = [
     ("disk", "none", {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}, (3,)),
     ("host", "int4", {"gradient_clip_val": 0.05}, (4,)),
     ("disk", "int4", {"accumulate_grad_batches": 2}, (5,)),
+    ("host-async", "none", {"accumulate_grad_batches": 2}, (6,)),
 ]
 
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return tiny_model("llama")
+
+
+@pytest.fixture(autouse=True)
+def _offload_thread(request, monkeypatch) -> None:
+    """``host-async``: gradients are added in the offload worker thread, as on CUDA."""
+    if "host-async" in request.node.name:
+        monkeypatch.setattr(runtime, "HostGrads", functools.partial(HostGrads, asynchronous=True))
 
 
 def strategy(tier: str, compression: str, offload_dir) -> MegaTrainStrategy:
