@@ -111,7 +111,10 @@ def part_kill(args, folder: Path, rng: random.Random) -> list[dict]:
     for trial in range(args.kills):
         point = KILL_POINTS[trial % len(KILL_POINTS)]
         total = sum(n for name, n in hits.items() if name.startswith(point))
-        row = kill_trial(folder / f"kill{trial}", reference, point, rng.randint(1, total), seed=trial)
+        try:
+            row = kill_trial(folder / f"kill{trial}", reference, point, rng.randint(1, total), seed=trial)
+        except RuntimeError as err:  # the harness's own failure: counted, not fatal
+            row = {"point": point, "harness_error": str(err), "killed": False}
         row["ok"] = bool(
             row["killed"]
             and not row["stale_checkpoints"]
@@ -135,10 +138,14 @@ def part_fault(args, folder: Path, rng: random.Random) -> list[dict]:
         point = FAULT_POINTS[trial % len(FAULT_POINTS)]
         code = "EIO" if point.endswith(".read") else rng.choice(("EIO", "ENOSPC"))  # a full disk fails writes
         total = (resume_hits if point.endswith(".read") and point != "disk.read" else hits).get(point, 1)
-        row = fault_trial(folder / f"fault{trial}", reference, point, rng.randint(1, total), code)
+        try:
+            row = fault_trial(folder / f"fault{trial}", reference, point, rng.randint(1, total), code)
+        except RuntimeError as err:  # the harness's own failure: counted, not fatal
+            row = {"point": point, "harness_error": str(err), "stale_checkpoints": [], "error": None}
         error = row["error"] or ""
         row["ok"] = bool(
-            str(folder / f"fault{trial}") in error
+            "harness_error" not in row
+            and str(folder / f"fault{trial}") in error
             and FAULT_HINTS[getattr(errno, code)] in error
             and not row["stale_checkpoints"]
             and row["resume_error"] is None

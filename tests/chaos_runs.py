@@ -101,6 +101,7 @@ def run_child(root: str | Path, spec: str | None = None, resume: bool = False, e
                 del os.environ["PYTHONPATH"]
             else:
                 os.environ["PYTHONPATH"] = saved
+    Path(root).mkdir(parents=True, exist_ok=True)  # not created for offload_dir: a failed run keeps it
     result = Path(root) / "result.json"
     result.unlink(missing_ok=True)
     child = _context.Process(target=_child, args=(str(root), spec, resume, epochs))
