@@ -143,7 +143,10 @@ def part_fault(args, folder: Path, rng: random.Random) -> list[dict]:
         except RuntimeError as err:  # the harness's own failure: counted, not fatal
             row = {"point": point, "harness_error": str(err), "stale_checkpoints": [], "error": None}
         error = row["error"] or ""
-        row["ok"] = bool(
+        # A run with fewer hits of the point than drawn (disk reads vary with the cache's timing) finishes
+        # without a fault: it must then still end with the right weights.
+        row["reached"] = row["error"] is not None or "harness_error" in row
+        row["ok"] = (not row["reached"] and row["same_weights"]) or bool(
             "harness_error" not in row
             and str(folder / f"fault{trial}") in error
             and FAULT_HINTS[getattr(errno, code)] in error
@@ -189,11 +192,11 @@ def main() -> None:
                 bad, runs = sum(not r["ok"] for r in rows), len(rows)
             elif part == "fault":
                 rows = part_fault(args, folder, rng)
-                bad, runs = sum(not r["ok"] for r in rows), len(rows)
+                bad, runs = sum(not r["ok"] for r in rows), sum(r["reached"] for r in rows)
             else:
                 parser.error(f"unknown part {part!r}")
             summary[part] = {"trials": runs, "failures": bad, "seconds": round(time.perf_counter() - start)}
-    print("| part | trials | failures | seconds |\n| --- | ---: | ---: | ---: |")
+    print("| part | trials (faults: injected) | failures | seconds |\n| --- | ---: | ---: | ---: |")
     for part, row in summary.items():
         print(f"| {part} | {row['trials']} | {row['failures']} | {row['seconds']} |")
 
