@@ -279,7 +279,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             store=engine.store,
             grads=engine.grads,
             locate=locate,
-            before_update=engine.invalidate,
             stats=engine.stats,
             compression=self.optimizer_compression,
             threads=self.optimizer_threads,
@@ -428,6 +427,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
                 self.engine.wait_all()
                 self.engine.store.flush()
+            if failed:
+                self.engine.end_stopped_run()
         if self.lightning_module is not None:
             for module in self.lightning_module.modules():
                 for name, buf in module._buffers.items():

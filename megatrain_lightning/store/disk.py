@@ -18,7 +18,6 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -28,11 +27,17 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy, result_of
 from megatrain_lightning.store.arena import Arena, whole_pages_in
 from megatrain_lightning.store.host import HostStore
-from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error, lock_store_dir
+from megatrain_lightning.store.io import (
+    BlockFile,
+    IOConfig,
+    StoreIOError,
+    close_files,
+    io_error,
+    lock_directory,
+)
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import ALIGNMENT, pages
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -89,7 +94,7 @@ class DiskStore(HostStore):
         self.directory = os.path.join(offload_dir, STORE_DIRNAME)
         self.io = io or IOConfig()
         os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = lock_store_dir(self.directory)
+        self._lock_fd = lock_directory(self.directory)
         self._cond = threading.Condition()
         self._arena = Arena(cache_bytes, pin_memory)
         self._entries: dict[tuple[int, str], _Entry] = {}
@@ -99,13 +104,16 @@ class DiskStore(HostStore):
         self._claimed: dict[tuple[int, str], int] = {}
         self._claims = itertools.count()
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
+        # A failed read, read ahead or not: this run stops at its next pin (the files are whole: the next
+        # run reads again).
+        self._read_failure: StoreIOError | None = None
         self._workers = ThreadPoolExecutor(self.io.threads, thread_name_prefix="megatrain-io")
         self._files: dict[str, BlockFile] = {}
         self._offsets: dict[str, list[int]] = {}
         for kind in kinds:
             self._open(kind)
         self._write_manifest()
-        self._cleanup = weakref.finalize(self, _remove, self._files, self._lock_fd, self.directory, keep)
+        self._cleanup = weakref.finalize(self, close_files, self._files, self._lock_fd, self.directory, keep)
 
     @property
     def cache_bytes(self) -> int:
@@ -138,12 +146,14 @@ class DiskStore(HostStore):
         """Pins all of ``kinds`` at once: a thread never holds some while it waits for room for the
         others (two updates could each hold what the other needs). What is pinned is needed now:
         it ranks after the claims made earlier and before everything the trace predicts."""
+        if not write:
+            self.wait_for_change(block)
         keys = [(block, kind) for kind in kinds]
         me = threading.get_ident()
-        point("store.pin")
         with self._cond:
-            if self._failure is not None:
-                raise fresh_copy(self._failure)
+            for failure in (self._failure, self._read_failure):
+                if failure is not None:
+                    raise fresh_copy(failure)
             for key in keys:
                 self._claimed.setdefault(key, self._claim_rank())
             while missing := [key for key in keys if key not in self._entries]:
@@ -214,6 +224,17 @@ class DiskStore(HostStore):
                 self._claimed[key] = self._claim_rank()
                 if key not in self._entries and key in self._on_disk:
                     self._admit(key, demand=False)
+
+    def forget_read_failures(self) -> None:
+        with self._cond:
+            self._read_failure = None
+            for key, entry in list(self._entries.items()):
+                if _failed(entry.ready) and not entry.pins:
+                    self._evict(key, entry)
+
+    def release_all_but(self, *kinds: str) -> None:
+        """Nothing to free at once: other kinds live in the block files until the store closes, and in a
+        cache bounded by ``cache_bytes`` (a finalizer may not take ``_cond`` to evict them)."""
 
     def nbytes(self, *kinds: str) -> int:
         with self._cond:
@@ -373,12 +394,14 @@ class DiskStore(HostStore):
         try:
             file.read(self._offsets[kind][block], entry.raw)
         except OSError as err:
-            raise io_error(err, file.path, "reading") from err
+            failure = io_error(err, file.path, "reading")
+            with self._cond:
+                self._read_failure = failure
+            raise failure from err
         finally:
             self._done()
         TIMELINE.record("disk", start, time.perf_counter())
-        self.stats.disk_read_s += time.perf_counter() - start
-        self.stats.disk_read_bytes += entry.raw.numel()
+        self.stats.add(disk_read_s=time.perf_counter() - start, disk_read_bytes=entry.raw.numel())
 
     def _write(self, key: tuple[int, str], entry: _Entry) -> None:
         block, kind = key
@@ -396,8 +419,7 @@ class DiskStore(HostStore):
         finally:
             self._done()
         TIMELINE.record("disk", start, time.perf_counter())
-        self.stats.disk_write_s += time.perf_counter() - start
-        self.stats.disk_write_bytes += entry.raw.numel()
+        self.stats.add(disk_write_s=time.perf_counter() - start, disk_write_bytes=entry.raw.numel())
 
     def _done(self) -> None:
         with self._cond:
@@ -436,11 +458,3 @@ class DiskStore(HostStore):
         with open(path + ".tmp", "w") as f:
             json.dump(manifest, f, indent=1)
         os.replace(path + ".tmp", path)
-
-
-def _remove(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: bool) -> None:
-    for file in files.values():
-        file.close()
-    if not keep:
-        shutil.rmtree(directory, ignore_errors=True)
-    os.close(lock_fd)

@@ -1,6 +1,7 @@
 """Block-sized file I/O at disk speed: O_DIRECT into page-aligned buffers, in threads that release
 the GIL (``os.preadv``/``os.pwritev``), in chunks. Where the filesystem refuses O_DIRECT (tmpfs),
-files are opened buffered instead, and that is logged once.
+files are opened buffered instead, and that is logged once. Also the folder's lock, so two runs
+cannot share one store, and its removal.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -94,10 +96,11 @@ def io_error(err: OSError, path: str, what: str) -> StoreIOError:
     return StoreIOError(err.errno, f"megatrain: {what} {path} failed: {err.strerror or err}; {hint}.")
 
 
-def lock_store_dir(directory: str) -> int:
-    """Lock the store folder for this process (two runs cannot share it) and remove what an earlier owner
-    left there: a killed run's files are never read (a block reads as zeros until this store writes it),
-    only their space is taken back. The lock is an ``flock``, so the kernel releases a dead owner's."""
+def lock_directory(directory: str) -> int:
+    """Hold ``directory`` for this process (a lock file naming it), or say who holds it; remove what an
+    earlier holder left there: a killed run's files are never read (a block reads as zeros until this
+    store writes it), only their space is taken back. The lock is an ``flock``: the kernel releases a dead
+    holder's."""
     fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -113,3 +116,12 @@ def lock_store_dir(directory: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
     return fd
+
+
+def close_files(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: bool) -> None:
+    """Close a store's files and remove its folder unless ``keep``; then let go of the folder."""
+    for file in files.values():
+        file.close()
+    if not keep:
+        shutil.rmtree(directory, ignore_errors=True)
+    os.close(lock_fd)
