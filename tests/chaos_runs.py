@@ -7,7 +7,7 @@ in well under a second and no child inherits a parent's threads."""
 
 from __future__ import annotations
 
-import gc
+import atexit
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -78,8 +78,8 @@ def _child(root: str, spec: str | None, resume: bool, epochs: int) -> None:
         result = train(root, spec, resume, epochs)
     except Exception as err:  # the parent checks what the user would see
         result = {"error": f"{type(err).__name__}: {err}"}
-    gc.collect()  # the store's files go with the model (a child exits without running atexit hooks)
     (Path(root) / "result.json").write_text(json.dumps(result))
+    atexit._run_exitfuncs()  # as at a script's end (a multiprocessing child skips them): the store goes
 
 
 _context: Any = None
