@@ -380,7 +380,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not checkpointing.is_checkpoint_dir(checkpoint_path):
+        checkpointing.recover(checkpoint_path)  # a save killed mid-replace left the previous one aside
+        if not os.path.isdir(checkpoint_path):  # a directory is ours: ``verify`` says what it lacks
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         ckpt = checkpointing.CheckpointDir.verify(checkpoint_path)
         checkpointing.check_compatible(ckpt, self.engine)

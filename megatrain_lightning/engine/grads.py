@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.memory import host_empty
@@ -191,8 +192,10 @@ class HostGrads:
         self._room.release()
 
     def _accumulate(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
+        point("grads.add.before")
         with TIMELINE.span("offload"):
             self._accumulate_now(block, grads, final)
+        point("grads.add.after")
 
     def _accumulate_now(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
         for grad in grads.values():

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import result_of
 from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import Trace
@@ -96,6 +97,7 @@ class Pager:
     def acquire(self, block: int, backward: bool) -> Tensor:
         """Make ``block`` resident, pin it and return its slot (bytes; ``layout.view`` finds a parameter)."""
         start = time.perf_counter()
+        point("pager.acquire")
         with self._cond:
             self.trace.access((block, backward))
             self._drop_stale()
@@ -197,6 +199,7 @@ class Pager:
         ``finish(self._finish_load, ...)`` (inline, or in the worker) (lock not held)."""
         unpin = contextlib.ExitStack()
         try:
+            point("pager.load.before")
             src = unpin.enter_context(self.store.pinned(block, "param"))
             start = time.perf_counter()
             if self._copy_stream is None:
@@ -206,6 +209,7 @@ class Pager:
                     self._copy_stream.wait_event(slot.released)
                     self.layout.copy_in(block, src, slot.buf, non_blocking=True)
                     slot.copied.record(self._copy_stream)
+            point("pager.load.after")
         except BaseException as err:  # surfaces in the waiting compute thread
             unpin.close()
             slot.ready.set_exception(err)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_any
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy
 from megatrain_lightning.telemetry.stats import EngineStats
 
@@ -78,6 +79,7 @@ class UpdateQueue:
         the change and its future to the store. The future resolves on every path."""
         self.failure.raise_if_any()  # after a failed update nothing more changes
         future: Future = Future()
+        point("update.submit")
         with self._lock:
             self._submitted.add(block)
             self._pending[block] = future
@@ -92,7 +94,9 @@ class UpdateQueue:
 
     def _run(self, run: Callable[[], None], future: Future) -> None:
         try:
+            point("update.before")
             run()
+            point("update.after")
             future.set_result(None)
         except BaseException as err:  # re-raised in whoever waits next
             self.failure.record(err)

@@ -12,13 +12,16 @@ Layout of ``<name>.ckpt/``::
     optimizer/block-NNNNN.safetensors  the optimizer's per-block state (compressed when it is)
 
 Everything is written under ``<name>.ckpt.tmp-<pid>`` and renamed into place once complete, so
-a crash leaves the previous checkpoint intact and nothing that looks complete but is not.
+a crash leaves the previous checkpoint intact and nothing that looks complete but is not (a crash
+between the two renames that replace a checkpoint leaves the previous one at ``<name>.ckpt.old-<pid>``:
+the next save or load of ``<name>.ckpt`` moves it back; what dead processes left is removed then).
 ``open_checkpoint`` and ``convert_checkpoint`` turn a checkpoint of a model that fits in RAM into
 a standard single-file Lightning checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
@@ -34,24 +37,30 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.serialization.hf import WeightFiles, hf_model
+from megatrain_lightning.serialization.publish import (
+    FORMAT,
+    LIGHTNING_STATE,
+    MANIFEST,
+    CheckpointWriter,
+    io_failure,
+    recover,
+)
 from megatrain_lightning.serialization.safetensors_io import (
     SafetensorsError,
-    ShardWriter,
     TensorEntry,
     read_header,
     read_into,
     read_tensor,
     sha256_file,
 )
+from megatrain_lightning.store.io import StoreIOError
 from megatrain_lightning.store.preflight import available_ram_bytes
 
-FORMAT = "megatrain-checkpoint"
-MANIFEST = "manifest.json"
-LIGHTNING_STATE = "lightning.pt"
 README = """This directory is a megatrain checkpoint: resume it with `Trainer(strategy="megatrain")` and
 `fit(ckpt_path=<this directory>)`. `torch.load` and `LightningModule.load_from_checkpoint` need a file:
     MyModule.load_from_checkpoint(megatrain_lightning.open_checkpoint("<this directory>"))
@@ -67,17 +76,6 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
-def replace_dir(new: str, target: str) -> None:
-    """Move the complete directory ``new`` to ``target``, replacing what was there."""
-    if not os.path.exists(target):
-        os.rename(new, target)
-        return
-    old = f"{target.rstrip(os.sep)}.old-{os.getpid()}"
-    os.rename(target, old)
-    os.rename(new, target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
     buffers = {}
     for prefix, sub in module.named_modules():
@@ -85,49 +83,6 @@ def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
             if buf is not None and name not in sub._non_persistent_buffers_set:
                 buffers[f"{prefix}.{name}" if prefix else name] = buf.detach().cpu()
     return buffers
-
-
-class CheckpointWriter:
-    """Collects the files of one checkpoint under a temporary name, then publishes them."""
-
-    def __init__(self, path: str) -> None:
-        self.path = os.fspath(path).rstrip(os.sep)
-        self.tmp = f"{self.path}.tmp-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        for sub in ("model", "optimizer"):
-            os.makedirs(os.path.join(self.tmp, sub))
-        self.files: dict[str, dict[str, Any]] = {}
-        self.manifest: dict[str, Any] = {"format": FORMAT, "version": 1}
-
-    def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
-        writer = ShardWriter(
-            os.path.join(self.tmp, relpath), [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-        )
-        for name, tensor in tensors.items():
-            writer.write(name, tensor)
-        self._record(relpath, writer.close())
-
-    def text(self, relpath: str, content: str) -> None:
-        with open(os.path.join(self.tmp, relpath), "w") as f:
-            f.write(content)
-        self._record(relpath, sha256_file(os.path.join(self.tmp, relpath)))
-
-    def lightning_state(self, state: dict[str, Any]) -> None:
-        path = os.path.join(self.tmp, LIGHTNING_STATE)
-        torch.save(state, path)
-        self._record(LIGHTNING_STATE, sha256_file(path))
-
-    def publish(self) -> None:
-        self.manifest["files"] = self.files
-        path = os.path.join(self.tmp, MANIFEST)
-        with open(path, "w") as f:
-            json.dump(self.manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        replace_dir(self.tmp, self.path)
-
-    def _record(self, relpath: str, sha256: str) -> None:
-        self.files[relpath] = {"bytes": os.path.getsize(os.path.join(self.tmp, relpath)), "sha256": sha256}
 
 
 @dataclass(frozen=True)
@@ -139,12 +94,19 @@ class CheckpointDir:
     def verify(cls, path: str | os.PathLike) -> CheckpointDir:
         """Open a checkpoint after checking every file's size and checksum."""
         path = os.fspath(path)
+        recover(path)
         if not os.path.isdir(path):
             raise CheckpointError(f"{path} is not a megatrain checkpoint directory.")
         try:
             with open(os.path.join(path, MANIFEST)) as f:
                 manifest = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
+        except OSError as err:
+            if err.errno != errno.ENOENT:
+                raise io_failure(err, path, writing=False) from err
+            raise CheckpointError(
+                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
+            ) from err
+        except json.JSONDecodeError as err:
             raise CheckpointError(
                 f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
             ) from err
@@ -154,7 +116,12 @@ class CheckpointDir:
             file = os.path.join(path, relpath)
             if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
                 raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
-            if sha256_file(file) != info["sha256"]:
+            try:
+                point("ckpt.read", file)
+                digest = sha256_file(file)
+            except OSError as err:
+                raise io_failure(err, path, writing=False) from err
+            if digest != info["sha256"]:
                 raise CheckpointError(
                     f"{file} does not match its checksum (corrupt); the checkpoint cannot be loaded."
                 )
@@ -194,8 +161,21 @@ def _block_file(kind: str, block: int) -> str:
 
 
 def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
-    """Write a checkpoint directory, one block in memory at a time."""
+    """Write a checkpoint directory, one block in memory at a time; on a failed write the partial copy is
+    removed and the previous checkpoint stays."""
     writer = CheckpointWriter(path)
+    try:
+        _write(writer, engine, module, lightning_state, optimizer)
+    except OSError as err:
+        shutil.rmtree(writer.tmp, ignore_errors=True)
+        if isinstance(err, StoreIOError):  # the store's own error names its file and what to do
+            raise
+        raise io_failure(err, writer.path, writing=True) from err
+
+
+def _write(
+    writer: CheckpointWriter, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any
+) -> None:
     for block in engine.blocks:
         with engine.store.pinned(block.index, "param") as flat:
             names = [p.name for p in block.params]
@@ -243,6 +223,13 @@ def check_compatible(ckpt: CheckpointDir, engine: Any) -> None:
 
 
 def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
+    try:
+        _load_weights(ckpt, engine, module)
+    except OSError as err:
+        raise io_failure(err, ckpt.path, writing=False) from err
+
+
+def _load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
     entries = ckpt.weights().entries
     for block in engine.blocks:
         with engine.store.rewriting(block.index) as flat:
@@ -257,8 +244,11 @@ def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     if optimizer.bits or saved["compression"] != "none":
         adam_state.check_codec(optimizer.compression, saved.get("codec") or {**saved, "version": 1})
     entries = ckpt.optimizer().entries
-    for block in engine.blocks:
-        adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
+    try:
+        for block in engine.blocks:
+            adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
+    except OSError as err:
+        raise io_failure(err, ckpt.path, writing=False) from err
 
 
 def adam_state_as_blocks(

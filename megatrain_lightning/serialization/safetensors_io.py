@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
+
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -82,6 +84,7 @@ def read_into(entry: TensorEntry, dst: Tensor) -> None:
         raise SafetensorsError(f"{entry.path}: shape {entry.shape} is not the model's {tuple(dst.shape)}")
     target = dst if dst.dtype == entry.dtype else torch.empty(entry.shape, dtype=entry.dtype)
     view = memoryview(target.view(-1).view(torch.uint8).numpy())
+    point("tensor.read", entry.path)
     with open(entry.path, "rb", buffering=0) as f:
         done = os.preadv(f.fileno(), [view], entry.start)
     if done != entry.nbytes:

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import result_of
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import host_empty
@@ -75,6 +76,7 @@ class HostStore:
     def wait_for_change(self, block: int) -> None:
         """Wait until the change announced for ``block`` (if any) is done; raise if it failed (its weights
         are then neither the old nor the new ones: nothing may read them)."""
+        point("store.wait")
         with self._lock:
             change = self._changes.get(block)
         if change is None:

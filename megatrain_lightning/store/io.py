@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from megatrain_lightning.engine.chaos import point
+
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
 
@@ -64,12 +66,14 @@ class BlockFile:
         view = memoryview(buf.numpy())
         for start in range(0, len(view), self.config.chunk_bytes):
             chunk = view[start : start + self.config.chunk_bytes]
+            point("disk.read", self.path)
             self._check(os.preadv(self.fd, [chunk], offset + start), len(chunk), "read")
 
     def write(self, offset: int, buf: Tensor) -> None:
         view = memoryview(buf.numpy())
         for start in range(0, len(view), self.config.chunk_bytes):
             chunk = view[start : start + self.config.chunk_bytes]
+            point("disk.write", self.path)
             self._check(os.pwritev(self.fd, [chunk], offset + start), len(chunk), "write")
 
     def _check(self, done: int, wanted: int, what: str) -> None:
@@ -93,7 +97,10 @@ def io_error(err: OSError, path: str, what: str) -> StoreIOError:
 
 
 def lock_directory(directory: str) -> int:
-    """Hold ``directory`` for this process (a lock file naming it), or say who holds it."""
+    """Hold ``directory`` for this process (a lock file naming it), or say who holds it; remove what an
+    earlier holder left there: a killed run's files are never read (a block reads as zeros until this
+    store writes it), only their space is taken back. The lock is an ``flock``: the kernel releases a dead
+    holder's."""
     fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -103,6 +110,9 @@ def lock_directory(directory: str) -> int:
         raise StoreIOError(
             err.errno, f"megatrain: {directory} is in use by {owner}; give each run its own `offload_dir`."
         ) from err
+    for name in os.listdir(directory):
+        if name != "lock":
+            os.remove(os.path.join(directory, name))
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
     return fd

@@ -1,0 +1,153 @@
+"""Directories published whole: written under ``<target>.tmp-<pid>``, then renamed into place, so a
+crash never leaves something that looks complete but is not. An existing directory is replaced by an
+atomic swap where the kernel has one (Linux); elsewhere by two renames, and a crash between them leaves
+the previous one at ``<target>.old-<pid>``. :func:`recover` moves that back and removes what dead
+processes left, before the next save or load of ``<target>``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatrain_lightning.engine.chaos import point
+from megatrain_lightning.serialization.safetensors_io import ShardWriter, sha256_file
+
+FORMAT = "megatrain-checkpoint"
+MANIFEST = "manifest.json"
+LIGHTNING_STATE = "lightning.pt"
+
+
+class CheckpointIOError(OSError):
+    """Reading or writing a checkpoint failed; the message names the file and what to do."""
+
+
+def io_failure(err: OSError, path: str, writing: bool) -> CheckpointIOError:
+    """A clear error for a checkpoint file that could not be read or written (nothing was published or
+    loaded: the previous checkpoint is unchanged)."""
+    file = err.filename or path
+    if err.errno == errno.ENOSPC:
+        hint = f"free space on the disk holding {path} or save checkpoints elsewhere"
+    else:
+        hint = f"check the disk holding {path}"
+    what = f"writing the checkpoint {path}" if writing else f"reading the checkpoint {path}"
+    unchanged = "the previous checkpoint there is unchanged" if writing else "the checkpoint is unchanged"
+    return CheckpointIOError(
+        err.errno, f"megatrain: {what} failed at {file}: {err.strerror or err}; {hint} ({unchanged})."
+    )
+
+
+def recover(target: str) -> None:
+    """Undo what a process killed while saving ``target`` left: the previous checkpoint moved aside by
+    ``replace_dir`` is moved back, and the partial copies of dead processes are removed."""
+    target = os.fspath(target).rstrip(os.sep)
+    for leftover in sorted(
+        glob.glob(f"{glob.escape(target)}.old-*") + glob.glob(f"{glob.escape(target)}.tmp-*")
+    ):
+        if _alive(leftover.rsplit("-", 1)[1]):
+            continue
+        if leftover.startswith(f"{target}.old-") and not os.path.exists(target):
+            os.rename(leftover, target)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: str) -> bool:
+    """Whether the process that named a leftover ``pid`` may still be writing it (this one is not)."""
+    if not pid.isdigit():
+        return True  # not ours: left alone
+    if int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def replace_dir(new: str, target: str) -> None:
+    """Move the complete directory ``new`` to ``target``, replacing what was there: in one step where the
+    kernel swaps two paths (Linux ``renameat2``), else in two renames (see :func:`recover`)."""
+    if not os.path.exists(target):
+        os.rename(new, target)
+        return
+    point("ckpt.replace", target)
+    if _exchange(new, target):  # ``new`` now names the previous directory
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    old = f"{target.rstrip(os.sep)}.old-{os.getpid()}"
+    os.rename(target, old)
+    point("ckpt.replace", target)
+    os.rename(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap paths ``a`` and ``b`` atomically; ``False`` where the system or the filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+class CheckpointWriter:
+    """Collects the files of one checkpoint under a temporary name, then publishes them."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.fspath(path).rstrip(os.sep)
+        self.tmp = f"{self.path}.tmp-{os.getpid()}"
+        recover(self.path)
+        for sub in ("model", "optimizer"):
+            os.makedirs(os.path.join(self.tmp, sub))
+        self.files: dict[str, dict[str, Any]] = {}
+        self.manifest: dict[str, Any] = {"format": FORMAT, "version": 1}
+
+    def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
+        point("ckpt.write", os.path.join(self.tmp, relpath))
+        writer = ShardWriter(
+            os.path.join(self.tmp, relpath), [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+        )
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+        self._record(relpath, writer.close())
+
+    def text(self, relpath: str, content: str) -> None:
+        point("ckpt.write", os.path.join(self.tmp, relpath))
+        with open(os.path.join(self.tmp, relpath), "w") as f:
+            f.write(content)
+        self._record(relpath, sha256_file(os.path.join(self.tmp, relpath)))
+
+    def lightning_state(self, state: dict[str, Any]) -> None:
+        path = os.path.join(self.tmp, LIGHTNING_STATE)
+        point("ckpt.write", path)
+        torch.save(state, path)
+        self._record(LIGHTNING_STATE, sha256_file(path))
+
+    def publish(self) -> None:
+        self.manifest["files"] = self.files
+        path = os.path.join(self.tmp, MANIFEST)
+        point("ckpt.write", path)
+        with open(path, "w") as f:
+            json.dump(self.manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        replace_dir(self.tmp, self.path)
+
+    def _record(self, relpath: str, sha256: str) -> None:
+        self.files[relpath] = {"bytes": os.path.getsize(os.path.join(self.tmp, relpath)), "sha256": sha256}
