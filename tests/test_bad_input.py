@@ -183,9 +183,9 @@ CASES = [
     Case("offload_dir in use by another run", "in use by pid", _hold_store, StoreIOError),
     # options
     Case(
-        "optimizer_compression='int3'",
+        "optimizer_compression='int1'",
         "`optimizer_compression` must be one of",
-        lambda t, f: lambda: MegaTrainStrategy(optimizer_compression="int3"),
+        lambda t, f: lambda: MegaTrainStrategy(optimizer_compression="int1"),
     ),
     Case(
         "prefetch_depth=-1",
