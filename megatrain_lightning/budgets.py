@@ -55,7 +55,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     else:
         num_slots = auto.num_slots if auto is not None else len(blocks)
     num_slots = max(1, min(num_slots, len(blocks)))
-    offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, num_slots, auto)
+    offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, auto)
     auto_prefetch = strategy.prefetch_depth == "auto"
     config = EngineConfig(
         device=strategy.root_device,
@@ -88,7 +88,7 @@ def _plan(strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype) 
 
 
 def _disk_tier(
-    strategy: MegaTrainStrategy, blocks: list[Block], num_slots: int, auto: Settings | None
+    strategy: MegaTrainStrategy, blocks: list[Block], auto: Settings | None
 ) -> tuple[str | None, int, list[str]]:
     if strategy.offload_dir is None:
         return None, 0, []
@@ -104,7 +104,7 @@ def _disk_tier(
         else:
             default = min(sizing.disk_files_bytes(blocks), available_ram_bytes() // 2)
         threads = strategy.optimizer_threads
-        cache = sizing.cache_bytes_for(blocks, num_slots, threads, strategy.max_cpu_gb, default)
+        cache = sizing.cache_bytes_for(blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel)
     except BaseException:
         remove_empty_dirs(created)  # a refused run leaves no empty folder behind
         raise

@@ -12,6 +12,7 @@ until a worker thread (the prefetcher, or for on-demand loads a copy waiter) has
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -32,6 +33,7 @@ from megatrain_lightning.telemetry.timeline import TIMELINE
 log = logging.getLogger(__name__)
 
 _NEVER = float("inf")
+_CHUNKS_IN_FLIGHT = 2  # store chunks a device copy holds pinned at once
 
 
 class _Slot:
@@ -207,23 +209,41 @@ class Pager:
         unpin = contextlib.ExitStack()
         try:
             self._wait_for_update(block)
-            src = unpin.enter_context(self.store.pinned(block, "param"))
             start = time.perf_counter()
-            dst = slot.buf[: src.numel()]
-            if self._copy_stream is None:
-                dst.copy_(src)
-            else:
-                with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(slot.released)
-                    dst.copy_(src, non_blocking=True)
-                    slot.copied.record(self._copy_stream)
+            self._copy_chunks(slot, block, unpin)
         except BaseException as err:  # surfaces in the waiting compute thread
             unpin.close()
             slot.ready.set_exception(err)
             self._settle(slot, block, err, forget=True)
             return
         slot.ready.set_result(None)
-        finish(self._finish_load, slot, block, unpin, start, src.numel() * src.element_size())
+        finish(self._finish_load, slot, block, unpin, start, self.store.blocks[block].numel * 4)
+
+    def _copy_chunks(self, slot: _Slot, block: int, unpin: contextlib.ExitStack) -> None:
+        """Copy ``block``'s master weights into ``slot`` one store chunk at a time, each pinned only while a
+        copy reads it: at most ``_CHUNKS_IN_FLIGHT`` on CUDA, the rest released as their copies finish;
+        those still in flight are left to ``unpin``."""
+        in_flight: collections.deque[tuple[torch.cuda.Event, contextlib.ExitStack]] = collections.deque()
+        unpin.callback(lambda: [pin.close() for _, pin in in_flight])
+        for lo, hi in self.store.spans(block):
+            if self._copy_stream is None:
+                with self.store.pinned(block, "param", span=(lo, hi)) as src:
+                    slot.buf[lo:hi].copy_(src)
+                continue
+            copied, pin = torch.cuda.Event(blocking=True), contextlib.ExitStack()
+            in_flight.append((copied, pin))
+            src = pin.enter_context(self.store.pinned(block, "param", span=(lo, hi)))
+            with torch.cuda.stream(self._copy_stream):
+                if lo == 0:
+                    self._copy_stream.wait_event(slot.released)
+                slot.buf[lo:hi].copy_(src, non_blocking=True)
+                copied.record(self._copy_stream)
+            if len(in_flight) > _CHUNKS_IN_FLIGHT:
+                event, done = in_flight.popleft()
+                event.synchronize()
+                done.close()
+        if self._copy_stream is not None:
+            slot.copied.record(self._copy_stream)
 
     def _finish_load(
         self, slot: _Slot, block: int, unpin: contextlib.ExitStack, start: float, nbytes: int

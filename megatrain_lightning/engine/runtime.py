@@ -72,7 +72,7 @@ class EngineConfig:
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
-            return HostStore(blocks, pin_memory=self.pin_memory, stats=stats)
+            return HostStore(blocks, self.pin_memory, stats, self.io.chunk_numel)
         return DiskStore(
             blocks,
             self.offload_dir,

@@ -6,6 +6,7 @@ takes one; compressed, the moments are saved as stored (codes and scales per blo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.layout import Block
 
 if TYPE_CHECKING:
     from megatrain_lightning.optim.adamw import CPUAdamW
@@ -104,16 +106,36 @@ def load(optimizer: CPUAdamW, state_dict: dict[str, Any]) -> None:
 
 def define_kinds(store: HostStore, quantized: list[int], bits: int | None) -> None:
     """The store kinds holding the moments: fp32 ``exp_avg``/``exp_avg_sq`` past each block's quantized
-    region (``quantized[block]`` elements), and with ``bits`` the codes and scales before it."""
+    region (``quantized[block]`` elements), and with ``bits`` the codes and scales before it; each with the
+    part of it that a range of the block's elements owns (the store's chunks)."""
+
+    def fp32_span(b: Block, start: int, stop: int) -> tuple[int, int]:
+        q = quantized[b.index]
+        return max(start, q) - q, max(stop, q) - q
+
+    def quantized_span(which: int) -> Callable[[Block, int, int], tuple[int, int]]:
+        def span(b: Block, start: int, stop: int) -> tuple[int, int]:
+            q = quantized[b.index]
+            where = codecs.state_slices(min(start, q), min(stop, q), bits)[which]
+            return where.start, where.stop
+
+        return span
+
     for kind in FP32_MOMENTS:
-        store.define_kind(kind, torch.float32, lambda b: b.numel - quantized[b.index])
+        store.define_kind(kind, torch.float32, lambda b: b.numel - quantized[b.index], fp32_span)
     if bits:
         code = lambda b: codecs.code_bytes(quantized[b.index], bits)  # noqa: E731
-        store.define_kind("m_codes", torch.uint8, code)
-        store.define_kind("v_codes", torch.uint8, code)
+        store.define_kind("m_codes", torch.uint8, code, quantized_span(0))
+        store.define_kind("v_codes", torch.uint8, code, quantized_span(0))
         store.define_kind(
-            "m_scales", torch.float32, lambda b: codecs.num_scales(quantized[b.index], "m", bits)
+            "m_scales",
+            torch.float32,
+            lambda b: codecs.num_scales(quantized[b.index], "m", bits),
+            quantized_span(1),
         )
         store.define_kind(
-            "v_scales", torch.float32, lambda b: codecs.num_scales(quantized[b.index], "v", bits)
+            "v_scales",
+            torch.float32,
+            lambda b: codecs.num_scales(quantized[b.index], "v", bits),
+            quantized_span(2),
         )

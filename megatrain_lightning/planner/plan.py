@@ -43,7 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
-from megatrain_lightning.store.sizing import working_blocks
+from megatrain_lightning.store.sizing import min_cache_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -53,9 +53,6 @@ PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
 STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
 MIN_SLOTS = 2  # one block computing while the next one is fetched
-# Disk tier: fp32 blocks of one kind held in RAM beyond one per slot (the strategy's working set with
-# one optimizer thread).
-WORKING_BLOCKS = working_blocks(num_slots=0, optimizer_threads=1)
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
 PRESETS = ("tiny", "170m", "1b", "7b", "70b")
 
@@ -294,16 +291,14 @@ def _megatrain_row(
 ) -> Row:
     n = shape.num_params
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
-    block = MASTER_BYTES * shape.largest_block  # one kind (weights, gradient, m or v) of the largest block
     num_slots = min(max(int((vram - act) // slot), 0), shape.num_blocks)
     gpu_need = MIN_SLOTS * slot + act
     if store <= ram:
         tier, cache, host_need, disk_need = "host", store, store, 0.0
     else:
         tier, disk_need = "disk", store
-        num_slots = min(num_slots, max(int(ram // block) - WORKING_BLOCKS, 0))
         cache = min(ram, store)
-        host_need = (MIN_SLOTS + WORKING_BLOCKS) * block
+        host_need = min_cache_bytes(shape.largest_block)  # the store chunks in use at once
     fits = num_slots >= 1 and gpu_need <= vram and host_need <= ram and disk_need <= disk
     # What the chosen settings use; where they do not fit, the least megatrain needs.
     gpu, host = (num_slots * slot + act, cache) if fits else (gpu_need, host_need)

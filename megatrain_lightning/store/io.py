@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from megatrain_lightning.store.layout import chunk_numel_for
+
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
 
@@ -22,9 +24,14 @@ class StoreIOError(OSError):
 
 @dataclass(frozen=True)
 class IOConfig:
-    chunk_bytes: int = 8 << 20  # per preadv/pwritev call
+    chunk_bytes: int = 16 << 20  # the store's chunk of a block (in fp32 bytes), and per preadv/pwritev call
     threads: int = 4  # blocks in flight at once (the queue depth, in blocks)
     direct: bool = True  # O_DIRECT where the filesystem allows it
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of a block per store chunk."""
+        return chunk_numel_for(self.chunk_bytes)
 
 
 class BlockFile:

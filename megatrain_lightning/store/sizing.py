@@ -1,9 +1,14 @@
 """How much memory and disk a store needs: one rule for the strategy (which sizes a run) and the planner
 (which predicts one).
 
-The disk tier's RAM cache must hold every block kind in use at once: a block being fetched into each
-device slot, the weights, gradient, m and v of the block each optimizer thread is updating, and three
-more in flight (a gradient being offloaded, a write-back, the next fetch). Its files hold the master
+The disk tier's RAM cache holds chunks (``io_chunk_mb`` of fp32 each, never more than a block), and the
+hot paths pin a few at a time: each fetch into a device slot one (on CUDA up to three while copies are in
+flight; two fetches run at once: the prefetcher's and a demand), the gradient offload two (the gradient
+and its per-pass sum), each optimizer thread one chunk of each kind of the block it updates (weights,
+gradient, m, v: at most four fp32 chunks' worth), and a few more in flight (write-backs, the next read).
+With ``P`` regions pinned anywhere in it, a cache of ``2P + 1`` chunks still has a free window of one
+chunk, so that is its minimum. So the RAM the disk tier needs is bounded by the chunk size, whatever the
+block size. Its files hold the master
 weights, Adam m and v, the gradient sums, and the per-pass sums of tied blocks.
 """
 
@@ -11,18 +16,30 @@ from __future__ import annotations
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from megatrain_lightning.store.layout import Block
-from megatrain_lightning.store.memory import pages
+from megatrain_lightning.store.layout import CHUNK_NUMEL, Block
+from megatrain_lightning.store.memory import ALIGNMENT, pages
 
 FP32_BYTES = 4
-KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the block an optimizer thread updates
-IN_FLIGHT = 3  # a gradient being offloaded, a write-back, the next fetch
+FETCH_CHUNKS = 2 * 3  # two fetches at once, each pinning up to three chunks (CUDA copies in flight)
+OFFLOAD_CHUNKS = 2  # the gradient and its per-pass sum
+KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the chunk an optimizer thread updates
+IN_FLIGHT = 3  # write-backs and reads under way
+QUANTIZED_KINDS = 2  # regions beyond the fp32 chunks per update: the scales of m and v (small)
 _GB = 1e9
 
 
-def working_blocks(num_slots: int, optimizer_threads: int = 1) -> int:
-    """Blocks of one fp32 kind the disk tier's cache must hold at once."""
-    return num_slots + KINDS_PER_UPDATE * optimizer_threads + IN_FLIGHT
+def pinned_chunks(optimizer_threads: int = 1) -> int:
+    """fp32 chunks the hot paths of the disk tier pin at once, at most."""
+    return FETCH_CHUNKS + OFFLOAD_CHUNKS + KINDS_PER_UPDATE * optimizer_threads + IN_FLIGHT
+
+
+def min_cache_bytes(largest_block: int, optimizer_threads: int = 1, chunk_numel: int = CHUNK_NUMEL) -> int:
+    """The smallest host cache the disk tier runs with: room for twice the pinned chunks (each the chunk
+    size, or the largest block if smaller) and one more, plus a page per pinned region for rounding."""
+    chunk = pages(FP32_BYTES * min(chunk_numel, largest_block))
+    pinned = pinned_chunks(optimizer_threads)
+    regions = pinned + QUANTIZED_KINDS * optimizer_threads
+    return 2 * (pinned * chunk + regions * ALIGNMENT) + chunk
 
 
 def region_bytes(blocks: list[Block]) -> int:
@@ -49,20 +66,21 @@ def num_slots_for(max_vram_gb: float, blocks: list[Block], itemsize: int) -> int
 
 def cache_bytes_for(
     blocks: list[Block],
-    num_slots: int,
     optimizer_threads: int,
     max_cpu_gb: float | None,
     default_bytes: int,
+    chunk_numel: int = CHUNK_NUMEL,
 ) -> int:
-    """The disk tier's cache: ``max_cpu_gb`` if given (refused below the working set), else
-    ``default_bytes`` raised to the working set."""
-    working_set = working_blocks(num_slots, optimizer_threads) * FP32_BYTES * max(b.numel for b in blocks)
+    """The disk tier's cache: ``max_cpu_gb`` if given (refused below :func:`min_cache_bytes`), else
+    ``default_bytes`` raised to that minimum."""
+    working_set = min_cache_bytes(max(b.numel for b in blocks), optimizer_threads, chunk_numel)
     if max_cpu_gb is None:
         return max(working_set, default_bytes)
     if max_cpu_gb * _GB < working_set:
         raise MisconfigurationException(
-            f"`max_cpu_gb={max_cpu_gb}` cannot hold the blocks in use at once ({num_slots} slots, "
-            f"{optimizer_threads} optimizer threads: {working_set / _GB:.3g} GB). Raise it to at "
-            "least that, or lower `max_vram_gb`/`optimizer_threads`."
+            f"`max_cpu_gb={max_cpu_gb}` cannot hold the store chunks in use at once ({optimizer_threads} "
+            f"optimizer threads, {FP32_BYTES * chunk_numel / 2**20:.3g} MB chunks): the disk tier needs at "
+            f"least {working_set / _GB:.3g} GB. Raise `max_cpu_gb` to that, or lower `io_chunk_mb` or "
+            "`optimizer_threads`."
         )
     return int(max_cpu_gb * _GB)
