@@ -98,11 +98,10 @@ def _disk_tier(
     created = missing_dirs(path)
     try:
         path = prepare_offload_dir(path)
-        check_disk_space(path, sizing.disk_files_bytes(blocks))
-        if auto is not None:
-            default = int(auto.cache_gb * _GB)
-        else:
-            default = min(sizing.disk_files_bytes(blocks), available_ram_bytes() // 2)
+        accumulating = strategy.lightning_module.trainer.accumulate_grad_batches > 1
+        files = sizing.disk_files_bytes(blocks, strategy.optimizer_compression, gradients=accumulating)
+        check_disk_space(path, files)
+        default = int(auto.cache_gb * _GB) if auto is not None else min(files, available_ram_bytes() // 2)
         threads = strategy.optimizer_threads
         cache = sizing.cache_bytes_for(blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel)
     except BaseException:

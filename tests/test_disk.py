@@ -40,7 +40,11 @@ def _budgets(model: torch.nn.Module) -> dict[str, float]:
     cache = sum(4 * b.numel for b in blocks) / 4
     assert largest > 2 * CHUNK_NUMEL
     assert cache >= sizing.min_cache_bytes(largest, 1, CHUNK_NUMEL), "model too small for the chunks in use"
-    return {"max_vram_gb": 8 * largest / 1e9, "max_cpu_gb": cache / 1e9, "io_chunk_mb": 4 * CHUNK_NUMEL / 2**20}
+    return {
+        "max_vram_gb": 8 * largest / 1e9,
+        "max_cpu_gb": cache / 1e9,
+        "io_chunk_mb": 4 * CHUNK_NUMEL / 2**20,
+    }
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "accumulate", "clip"), CASES)

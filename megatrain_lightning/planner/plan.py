@@ -43,14 +43,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
-from megatrain_lightning.store.sizing import min_cache_bytes
+from megatrain_lightning.store.sizing import STATE_BYTES, min_cache_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4.0  # fp32 master weights in the store
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
-STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
 MIN_SLOTS = 2  # one block computing while the next one is fetched
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
@@ -307,9 +306,25 @@ def _megatrain_row(
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
     fetches = 1 if num_slots >= shape.num_blocks else 2 * micro
     link_s = (fetches * cd + micro * GRAD_BYTES) * n / (machine.pcie_gbps * GB)
-    disk_s = 2 * (store - cache) / (machine.disk_gbps * GB)
+    disk_s = (
+        sum(disk_traffic(shape, compression, micro, cache)) / (machine.disk_gbps * GB)
+        if tier == "disk"
+        else 0.0
+    )
     settings = Settings(tier, num_slots, max(num_slots - 1, 1), cache / GB, num_slots * slot / GB)
     return _row(f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, settings)
+
+
+def disk_traffic(
+    shape: ModelShape, compression: str, micro_batches: int, cache: float
+) -> tuple[float, float]:
+    """Bytes the disk tier reads and writes per step, at least: the weights for the forward and the
+    backward of each micro-batch and m and v once, less the share of them the cache keeps; the updated
+    weights, m and v written once (write-back follows each update). Gradients never reach the disk."""
+    weights = MASTER_BYTES * shape.num_params
+    state = STATE_BYTES[compression] * shape.num_params
+    uncached = 1 - min(1.0, cache / (weights + state))
+    return uncached * (2 * micro_batches * weights + state), weights + state
 
 
 def _row(
@@ -439,6 +454,8 @@ def format_plan(plan: Plan) -> str:
         if i == 0:
             lines.append("  ".join("-" * wd for wd in widths))
     lines += ["", *LEGEND]
+    least = min_cache_bytes(m.largest_block)
+    lines += ["", f"disk tier: `max_cpu_gb` >= {_gb(least / GB)} GB (the store chunks in use at once)."]
     best = recommend(plan)
     lines.append("")
     if best is None or best.settings is None:

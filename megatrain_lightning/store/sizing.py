@@ -9,7 +9,8 @@ gradient, m, v: at most four fp32 chunks' worth), and a few more in flight (writ
 With ``P`` regions pinned anywhere in it, a cache of ``2P + 1`` chunks still has a free window of one
 chunk, so that is its minimum. So the RAM the disk tier needs is bounded by the chunk size, whatever the
 block size. Its files hold the master
-weights, Adam m and v, the gradient sums, and the per-pass sums of tied blocks.
+weights and Adam m and v; the gradient sums (and per-pass sums of tied blocks) reach them only when
+the cache must evict them before their update used them, which is planned for under gradient accumulation.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from megatrain_lightning.store.layout import CHUNK_NUMEL, Block
 from megatrain_lightning.store.memory import ALIGNMENT, pages
 
 FP32_BYTES = 4
+# Adam m and v per parameter: fp32, or block-quantized (int8: m in blocks of 256, v of 128; int4: both of
+# 128; one fp32 scale per block). Only the large parameters of repeated blocks are quantized.
+STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
 FETCH_CHUNKS = 2 * 3  # two fetches at once, each pinning up to three chunks (CUDA copies in flight)
 OFFLOAD_CHUNKS = 2  # the gradient and its per-pass sum
 KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the chunk an optimizer thread updates
@@ -47,9 +51,26 @@ def region_bytes(blocks: list[Block]) -> int:
     return sum(pages(FP32_BYTES * b.numel) for b in blocks)
 
 
-def disk_files_bytes(blocks: list[Block]) -> int:
-    """The disk tier's files: weights, m, v, gradient sums, and per-pass sums of tied blocks."""
-    return 4 * region_bytes(blocks) + region_bytes([b for b in blocks if len(b.sites) > 1])
+def state_bytes(blocks: list[Block], compression: str = "none") -> int:
+    """Bytes of Adam m and v (and their scales) for ``blocks``."""
+    fp32 = STATE_BYTES["none"]
+    return int(
+        sum(
+            STATE_BYTES[compression] * b.large_numel + fp32 * (b.numel - b.large_numel)
+            if b.repeated
+            else fp32 * b.numel
+            for b in blocks
+        )
+    )
+
+
+def disk_files_bytes(blocks: list[Block], compression: str = "none", gradients: bool = True) -> int:
+    """The disk tier's files: weights, m and v, and with ``gradients`` the gradient sums and per-pass sums
+    of tied blocks."""
+    files = region_bytes(blocks) + state_bytes(blocks, compression)
+    if gradients:
+        files += region_bytes(blocks) + region_bytes([b for b in blocks if len(b.sites) > 1])
+    return files
 
 
 def num_slots_for(max_vram_gb: float, blocks: list[Block], itemsize: int) -> int:
