@@ -69,7 +69,7 @@ from bench_engine import (  # noqa: E402
 )
 
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
-from megatrain_lightning.models import llama_config  # noqa: E402
+from megatrain_lightning.presets import llama_config  # noqa: E402
 from megatrain_lightning.store.io import BlockFile, IOConfig  # noqa: E402
 from megatrain_lightning.store.memory import ALIGNMENT, host_empty  # noqa: E402
 
@@ -80,7 +80,7 @@ BOUND_GOAL = 1.15  # disk-tier step / max(compute-only, disk time), at most
 PEER_GOAL = 3.0  # DeepSpeed step / disk-tier step, at least
 PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_peer.py")
 STATE_BYTES = 12  # bytes per parameter of weights + Adam m + v (fp32): the store's size
-DEFAULT_THREADS, DEFAULT_CHUNK_MB = 4, 8  # MegaTrainStrategy's io_threads, io_chunk_mb
+DEFAULT_THREADS, DEFAULT_CHUNK_MB = 4, 16  # MegaTrainStrategy's io_threads, io_chunk_mb
 EFFICIENCY_SEQ, EFFICIENCY_SLOTS = 16, 4  # few tokens: I/O-bound; slots: a GPU's few blocks
 OVERLAP_SLOTS = 2
 PARTS = ("overlap", "efficiency", "sweep", "peer")

@@ -53,7 +53,7 @@ PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
 MIN_SLOTS = 2  # one block computing while the next one is fetched
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
-PRESETS = ("tiny", "170m", "1b", "7b", "70b")
+PRESETS = ("tiny", "170m", "1b", "3b", "7b", "70b")
 
 
 @dataclass(frozen=True)

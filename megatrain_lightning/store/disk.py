@@ -48,6 +48,9 @@ _NEVER = float("inf")
 _STALL_TIMEOUT_S = 120.0
 
 Key = tuple[int, str, int]  # (block, kind, chunk)
+# Gradient sums reach the disk only when the cache must evict them before their update used them: their
+# files are sparse (space taken as written), so a run without accumulation needs no room for them.
+SPARSE_KINDS = frozenset({"grad", "grad_pass"})
 
 
 @dataclass(eq=False)
@@ -512,7 +515,7 @@ class DiskStore(HostStore):
                     offsets[-1].append(end)
                     end += pages(self._chunk_bytes((block, kind, chunk))[1])
             path = os.path.join(self.directory, f"{kind}.bin")
-            self._files[kind] = BlockFile(path, max(end, ALIGNMENT), self.io)
+            self._files[kind] = BlockFile(path, max(end, ALIGNMENT), self.io, sparse=kind in SPARSE_KINDS)
             self._offsets[kind] = offsets
             return self._files[kind]
 

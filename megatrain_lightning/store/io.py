@@ -35,9 +35,10 @@ class IOConfig:
 
 
 class BlockFile:
-    """One preallocated file of fixed size; ``read``/``write`` move whole page-aligned regions."""
+    """One file of fixed size, preallocated unless ``sparse`` (then disk space is taken as regions are
+    written); ``read``/``write`` move whole page-aligned regions."""
 
-    def __init__(self, path: str, size: int, config: IOConfig) -> None:
+    def __init__(self, path: str, size: int, config: IOConfig, sparse: bool = False) -> None:
         self.path = path
         self.config = config
         self.direct = False
@@ -56,7 +57,10 @@ class BlockFile:
                 _warned_buffered.add(folder)
                 log.warning(f"megatrain: {folder} refuses O_DIRECT (tmpfs?); using buffered I/O there.")
         try:
-            os.posix_fallocate(self.fd, 0, size)
+            if sparse:
+                os.ftruncate(self.fd, size)
+            else:
+                os.posix_fallocate(self.fd, 0, size)
         except OSError as err:
             os.close(self.fd)
             raise StoreIOError(

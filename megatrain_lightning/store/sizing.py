@@ -6,9 +6,9 @@ hot paths pin a few at a time: each fetch into a device slot one (on CUDA up to 
 flight; two fetches run at once: the prefetcher's and a demand), the gradient offload two (the gradient
 and its per-pass sum), each optimizer thread one chunk of each kind of the block it updates (weights,
 gradient, m, v: at most four fp32 chunks' worth), and a few more in flight (write-backs, the next read).
-With ``P`` regions pinned anywhere in it, a cache of ``2P + 1`` chunks still has a free window of one
-chunk, so that is its minimum. So the RAM the disk tier needs is bounded by the chunk size, whatever the
-block size. Its files hold the master
+The cache must hold those and one more chunk (eviction finds the rest of the room: small regions are
+placed apart from large ones, and a demand waits while other threads hold what it needs). So the RAM the
+disk tier needs is bounded by the chunk size, whatever the block size. Its files hold the master
 weights and Adam m and v; the gradient sums (and per-pass sums of tied blocks) reach them only when
 the cache must evict them before their update used them, which is planned for under gradient accumulation.
 """
@@ -38,12 +38,12 @@ def pinned_chunks(optimizer_threads: int = 1) -> int:
 
 
 def min_cache_bytes(largest_block: int, optimizer_threads: int = 1, chunk_numel: int = CHUNK_NUMEL) -> int:
-    """The smallest host cache the disk tier runs with: room for twice the pinned chunks (each the chunk
-    size, or the largest block if smaller) and one more, plus a page per pinned region for rounding."""
+    """The smallest host cache the disk tier runs with: room for the pinned chunks (each the chunk size, or
+    the largest block if smaller) and one more, plus a page per pinned region for rounding."""
     chunk = pages(FP32_BYTES * min(chunk_numel, largest_block))
     pinned = pinned_chunks(optimizer_threads)
     regions = pinned + QUANTIZED_KINDS * optimizer_threads
-    return 2 * (pinned * chunk + regions * ALIGNMENT) + chunk
+    return (pinned + 1) * chunk + regions * ALIGNMENT
 
 
 def region_bytes(blocks: list[Block]) -> int:
