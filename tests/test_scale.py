@@ -10,11 +10,15 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
-from conftest import UserLM, assert_same_training, peak_rss_script, user_fit
+from conftest import UserLM, assert_same_training, peak_rss_script, tiny_model, user_fit
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from transformers import AutoModelForCausalLM
 
+from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.planner.plan import Machine, format_plan, plan_for
 from megatrain_lightning.presets import tiny_config
 from megatrain_lightning.store import sizing
 
@@ -105,3 +109,14 @@ def test_a_model_ten_times_the_cache_trains_exactly_within_the_memory_bound(tmp_
     paged = SimpleNamespace(losses=saved["losses"], state_dict=lambda: saved["state"])
     plain = user_fit(config, steps=STEPS, module_cls=ConfiguredLM)
     assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+
+
+def test_a_cache_below_the_chunks_in_use_is_refused_with_the_least_it_needs(tmp_path):
+    model = tiny_model("llama")
+    least = sizing.min_cache_bytes(max(b.numel for b in discover_blocks(model)))
+    strategy = MegaTrainStrategy(offload_dir=tmp_path / "store", max_cpu_gb=least / 2 / 1e9)
+    with pytest.raises(MisconfigurationException, match=f"needs at least {least / 1e9:.3g} GB"):
+        user_fit(model, strategy, steps=1)
+    assert not (tmp_path / "store").exists()
+    plan = format_plan(plan_for(model, Machine(vram_gb=1, ram_gb=1e-4, disk_gb=1)))
+    assert f"`max_cpu_gb` >= {least / 1e9:.2g} GB" in plan
