@@ -89,6 +89,12 @@ def child(args: argparse.Namespace) -> None:
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
             if not self.first_batch:
                 self.first_batch = time.perf_counter()
+                print(
+                    f"[{args.phase}] init {self.first_batch - start:.1f} s, "
+                    f"peak RSS {peak['rss'] / 2**30:.2f} GiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 phases["init"], peak["rss"] = peak["rss"], 0
             elif trainer.global_step == save_at:  # after the checkpoint
                 phases["checkpoint"], peak["rss"] = peak["rss"], 0
@@ -113,6 +119,13 @@ def child(args: argparse.Namespace) -> None:
             }
             self.steps.append(step)
             self.ends.append(t1)
+            print(
+                f"[{args.phase}] step {step['step']}: {step['s']:.1f} s, loss {step['loss']:.4f}, read "
+                f"{step['disk_read_bytes'] / GB:.2f} GB, write {step['disk_write_bytes'] / GB:.2f} GB, "
+                f"peak RSS {peak['rss'] / 2**30:.2f} GiB",
+                file=sys.stderr,
+                flush=True,
+            )
 
     phases = {"init": 0, "train": 0, "checkpoint": 0}  # peak RSS of each phase
     clock = Clock()
@@ -291,9 +304,9 @@ def run_child(args: argparse.Namespace, phase: str) -> dict[str, Any]:
         "--max-vram-gb",
         str(args.max_vram_gb),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # progress on stderr as it happens
     if out.returncode != 0:
-        print(out.stdout[-3000:], out.stderr[-6000:])
+        print(out.stdout[-3000:])
         raise SystemExit(f"the {phase} run failed")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
