@@ -388,6 +388,7 @@ class Engine:
         ready = functools.partial(self._block_ready, block.index) if last_use else _nothing
         if last_use and self.optimizer is not None:
             self.optimizer.wait_for_room()
+            self.optimizer.claim_gradients(block.index)
         if found:
             # Without a trace to say otherwise, a block with one call site is used once per pass.
             final = last_use or (not self.pager.trace.following and len(block.sites) == 1)

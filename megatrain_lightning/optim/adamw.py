@@ -222,6 +222,12 @@ class CPUAdamW(Optimizer):
     def wait_for_room(self) -> None:
         self.updates.wait_for_room()
 
+    def claim_gradients(self, block: int) -> None:
+        """``block``'s gradient sums are about to be completed and its update follows at once (a pass that
+        steps, without deferred updates): the store keeps them cached until the update used them."""
+        if self._in_step and not self.defer_updates:
+            self.store.claim(block, ("grad",))
+
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait_all()

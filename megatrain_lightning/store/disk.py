@@ -221,6 +221,9 @@ class DiskStore(HostStore):
         with self._cond:
             if self._failure is not None:
                 raise fresh_copy(self._failure)
+            # A claim made before a write stays until ``written``/``discard`` (a gradient sum whose update
+            # follows stays cached until that update used it); the rest end with this pin.
+            kept = {key for key in keys if write and key in self._claimed}
             for key in keys:
                 self._claimed.setdefault(key, self._claim_rank())
             while missing := [key for key in keys if key not in self._entries]:
@@ -228,7 +231,8 @@ class DiskStore(HostStore):
             entries = [self._entries[key] for key in keys]
             for key, entry in zip(keys, entries, strict=True):
                 entry.holders.append(me)
-                self._claimed.pop(key, None)
+                if key not in kept:
+                    self._claimed.pop(key, None)
         try:
             for entry in entries:
                 for future in (entry.ready, entry.writing if write else None):
@@ -258,6 +262,7 @@ class DiskStore(HostStore):
             for kind in kinds:
                 for chunk in self._chunks_in(block, span):
                     key = (block, kind, chunk)
+                    self._claimed.pop(key, None)
                     entry = self._entries.get(key)
                     if entry is not None and entry.dirty and not entry.pins:
                         self._write_back(key, entry)
@@ -267,6 +272,7 @@ class DiskStore(HostStore):
             for chunk in self._chunks_in(block, span):
                 key = (block, kind, chunk)
                 self._on_disk.discard(key)
+                self._claimed.pop(key, None)
                 entry = self._entries.get(key)
                 if entry is not None and not entry.pins and not entry.busy:
                     self._evict(key, entry)
