@@ -280,7 +280,7 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
         "reads": reads,
         "writes": writes,
         "params": shape.num_params,
-        "min_cache": sizing.min_cache_bytes(shape.largest_block),
+        "min_cache": sizing.min_cache_bytes(shape.largest_block, cuda=False),
     }
 
 

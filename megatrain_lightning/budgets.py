@@ -103,7 +103,10 @@ def _disk_tier(
         check_disk_space(path, files)
         default = int(auto.cache_gb * _GB) if auto is not None else min(files, available_ram_bytes() // 2)
         threads = strategy.optimizer_threads
-        cache = sizing.cache_bytes_for(blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel)
+        cuda = strategy.root_device.type == "cuda"
+        cache = sizing.cache_bytes_for(
+            blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel, cuda
+        )
     except BaseException:
         remove_empty_dirs(created)  # a refused run leaves no empty folder behind
         raise

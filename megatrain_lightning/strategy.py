@@ -32,6 +32,7 @@ from megatrain_lightning.store import sizing
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.memory import ALIGNMENT
 from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_host_ram,
@@ -143,7 +144,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if budgets.gb_option("io_chunk_mb", io_chunk_mb) is None:
             raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
         self.optimizer_threads = optimizer_threads
-        self.io = IOConfig(chunk_bytes=int(io_chunk_mb * (1 << 20)), threads=io_threads)
+        # Whole pages: O_DIRECT calls move page-aligned lengths.
+        chunk_bytes = max(ALIGNMENT, int(io_chunk_mb * (1 << 20)) // ALIGNMENT * ALIGNMENT)
+        self.io = IOConfig(chunk_bytes=chunk_bytes, threads=io_threads)
         if self.offload_dir is not None and self.offload_dir != "auto":
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []
@@ -278,7 +281,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             store=engine.store,
             grads=engine.grads,
             locate=locate,
-            before_update=engine.invalidate,
             stats=engine.stats,
             compression=self.optimizer_compression,
             threads=self.optimizer_threads,
@@ -426,6 +428,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
                 self.engine.wait_all()
                 self.engine.store.flush()
+            if failed:
+                self.engine.end_stopped_run()
         if self.lightning_module is not None:
             for module in self.lightning_module.modules():
                 for name, buf in module._buffers.items():

@@ -240,3 +240,31 @@ def test_a_claim_outranks_the_trace_and_later_demands(tmp_path):
         assert buf[0] == 2
     assert store.stats.disk_read_bytes == 4 * ALIGNMENT  # 0, 1, 2, 3: the claimed block read once
     store.close()
+
+
+def test_a_failed_read_ahead_stops_the_run_even_if_no_one_asks_for_that_block(tmp_path, monkeypatch):
+    """A read that fails while loading ahead is never served, and the run stops at its next pin of any
+    block instead of training on after a disk error; once the run is over, reads may be tried again."""
+    store = _page_store(tmp_path, cache_pages=2)
+    original = BlockFile.read
+
+    def failing(self, offset, buf):
+        if self.path.endswith("param.bin") and offset == 0:
+            raise OSError(errno.EIO, "injected read failure")
+        return original(self, offset, buf)
+
+    monkeypatch.setattr(BlockFile, "read", failing)
+    store.hint([(0, ("param",))])  # block 0 is read ahead, and fails
+    store._workers.submit(lambda: None).result()  # the read has run
+    for block in (0, 1):
+        with (
+            pytest.raises(StoreIOError, match=r"param\.bin.*injected read failure"),
+            store.pinned(block, "param"),
+        ):
+            pass
+    monkeypatch.undo()
+    store.forget_read_failures()
+    for block in (0, 1):
+        with store.pinned(block, "param") as buf:
+            assert buf[0] == block
+    store.close()

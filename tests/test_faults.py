@@ -20,7 +20,6 @@ from megatrain_lightning import CPUAdamW, MegaTrainStrategy
 from megatrain_lightning.engine import runtime as engine_module
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.runtime import Engine
 from megatrain_lightning.optim.rebuild import cpu_adamw_from
 from megatrain_lightning.store.host import HostStore
@@ -146,7 +145,7 @@ def test_failed_block_load_leaves_no_pin(model, plain, monkeypatch):
     module, strategy = UserLM(copy.deepcopy(model)), MegaTrainStrategy(max_vram_gb=3.2e-4)
     loads = []
 
-    def from_the_third_load_of_block_1(self, block, kind, write=False):
+    def from_the_third_load_of_block_1(self, block, kind, write=False, span=None):
         if kind == "param" and not write and block == 1:
             loads.append(block)
             return len(loads) >= 3  # every later load too: a demand load meets it (a prefetch is retried)
@@ -167,13 +166,13 @@ def test_failed_block_load_leaves_no_pin(model, plain, monkeypatch):
     _then_fits_clean(model, plain, module, engine, max_vram_gb=3.2e-4)
 
 
-def test_failed_invalidate_before_an_update(model, plain, monkeypatch):
-    """``before_update`` (the pager forgetting the block's cached copy) raising: the update's future still
+def test_failed_announcement_before_an_update(model, plain, monkeypatch):
+    """The update's announcement to the store (its disk-cache claim) raising: the update's future still
     resolves, so the teardown's wait does not hang."""
     module, strategy = UserLM(copy.deepcopy(model)), MegaTrainStrategy()
-    invalidate = _failing(Pager.invalidate, lambda self, block: block == 3, "injected invalidate failure")
-    monkeypatch.setattr(Pager, "invalidate", invalidate)
-    assert _fails(module, strategy, "injected invalidate failure") == []
+    claim = _failing(HostStore.claim, lambda self, block, kinds: block == 3, "injected claim failure")
+    monkeypatch.setattr(HostStore, "claim", claim)
+    assert _fails(module, strategy, "injected claim failure") == []
     _assert_clean(strategy.engine)
     monkeypatch.undo()
     _then_fits_clean(model, plain, module, strategy.engine)
@@ -245,22 +244,16 @@ def test_an_earlier_failed_gradient_add_is_raised_by_flush(model, monkeypatch):
     grads.close()
 
 
-def test_a_failing_before_update_resolves_the_block_future(model):
+def test_a_failing_announcement_resolves_the_block_future(model, monkeypatch):
     module = UserLM(copy.deepcopy(model))
     engine = Engine(module, discover_blocks(module), engine_module.EngineConfig(device=torch.device("cpu")))
-
-    def before_update(block: int) -> None:
-        raise RuntimeError("injected invalidate failure")
-
+    claim = _failing(HostStore.claim, lambda *args: True, "injected claim failure")
+    monkeypatch.setattr(HostStore, "claim", claim)
     locate = {id(p): engine.locations[n] for n, p in module.named_parameters(remove_duplicate=False)}
     optimizer = cpu_adamw_from(
-        torch.optim.AdamW(module.parameters()),
-        store=engine.store,
-        grads=engine.grads,
-        locate=locate,
-        before_update=before_update,
+        torch.optim.AdamW(module.parameters()), store=engine.store, grads=engine.grads, locate=locate
     )
-    with pytest.raises(RuntimeError, match="injected invalidate failure"):
+    with pytest.raises(RuntimeError, match="injected claim failure"):
         optimizer._submit(0)
     waited: list[BaseException] = []
 
@@ -274,6 +267,8 @@ def test_a_failing_before_update_resolves_the_block_future(model):
     waiter.start()
     waiter.join(timeout=10)
     assert not waiter.is_alive(), "a load of the block would wait forever"
-    assert len(waited) == 1 and "injected invalidate failure" in str(waited[0])
+    assert len(waited) == 1 and "injected claim failure" in str(waited[0])
+    with pytest.raises(RuntimeError, match="injected claim failure"):
+        engine.weights.read_param(0, 0)  # the store's readers do not wait forever either
     optimizer.close()  # already raised: not raised again
     engine.close()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
+import pytest
 import torch
 from torch import nn
 
@@ -23,9 +27,7 @@ def _pager(num_slots: int, depth: int = 0, blocks: int = 3) -> Pager:
     store = HostStore(discover_blocks(net, block_classes=[Layer]))
     for b in range(blocks):
         store.read(b, "param").fill_(b)
-    return Pager(
-        store, torch.device("cpu"), torch.float32, num_slots, depth, lambda block: None, EngineStats()
-    )
+    return Pager(store, torch.device("cpu"), torch.float32, num_slots, depth, EngineStats())
 
 
 def _run_pass(pager: Pager, order: list[int]) -> list[float]:
@@ -82,13 +84,44 @@ def test_prefetch_runs_ahead_within_the_free_slots():
     assert resident == {0, 1, 2}  # blocks 1 and 2 were requested before they were needed
 
 
-def test_invalidate_drops_the_cached_copy():
+def test_a_change_announced_to_the_store_makes_the_cached_copy_stale():
     pager = _pager(num_slots=3)
     assert _run_pass(pager, [0, 1]) == [0, 1]
     pager.store.read(0, "param").fill_(7)
     assert _run_pass(pager, [0]) == [0]  # still the cached copy: nobody said it changed
-    pager.invalidate(0)
-    assert _run_pass(pager, [0]) == [7]
+    with pager.store.rewriting(0) as flat:
+        flat.fill_(8)
+    assert _run_pass(pager, [0, 1]) == [8, 1]  # only block 0 is loaded again
+
+
+def test_a_load_waits_for_the_announced_update_and_a_failed_one_is_never_read():
+    pager = _pager(num_slots=1)
+    assert _run_pass(pager, [0]) == [0]
+    update: Future = Future()
+    pager.store.will_change(0, update)
+    seen: list[float] = []
+    loader = threading.Thread(target=lambda: seen.extend(_run_pass(pager, [0])), daemon=True)
+    loader.start()
+    loader.join(timeout=0.2)
+    assert loader.is_alive() and not seen  # waits for the update instead of reading the old copy
+    pager.store._buffer(0, "param").fill_(5)  # what the update writes
+    update.set_result(None)
+    loader.join(timeout=10)
+    assert seen == [5]
+    failed: Future = Future()
+    pager.store.will_change(0, failed)
+    failed.set_exception(OSError("injected update failure"))
+    with pytest.raises(OSError, match="injected update failure"):
+        _run_pass(pager, [0])
+
+
+def test_a_block_that_changes_while_in_use_is_an_error():
+    pager = _pager(num_slots=1)
+    pager.begin_pass("train")
+    pager.acquire(0, backward=False)
+    pager.store.will_change(0)
+    with pytest.raises(RuntimeError, match="changed while in use"):
+        pager.release(0)
 
 
 def test_update_cadence_learns_the_accumulation_window():

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import lightning as L
 import pytest
 import torch
-from conftest import fit, tiny_model
+from conftest import UserLM, assert_same_training, fit, fit_module, tiny_model, user_fit
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -251,3 +252,53 @@ def test_a_forward_without_backward_frees_its_graph_without_the_garbage_collecto
         gc.enable()
         engine.close()
     assert not leaked
+
+
+def test_the_engine_is_freed_with_its_trainer_while_the_model_keeps_its_weights():
+    """Once the trainer is dropped (with the LightningModule, which Lightning ties to it), the engine
+    (slots, threads, gradients, optimizer state) is freed by reference counting and one collection; the
+    Hugging Face model the user kept has its trained weights, runs, and trains on from them."""
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=2)
+    hf, engine = run.module.model, run.trainer.strategy.engine
+    store, engine_ref = engine.store, weakref.ref(engine)
+    trained = {k.removeprefix("model."): v.clone() for k, v in run.module.state_dict().items()}
+    assert store.nbytes("exp_avg") > 0
+    del run, engine
+    gc.collect()
+    assert engine_ref() is None
+    assert store.nbytes() == store.nbytes("param")  # gradients and moments went with the engine
+    kept = hf.state_dict()
+    assert kept.keys() == trained.keys() and all(torch.equal(kept[k], trained[k]) for k in kept)
+    reference = tiny_model("llama")
+    reference.load_state_dict(kept)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert_same_training(
+        fit_module(UserLM(reference), "auto", steps=2), fit_module(UserLM(hf), MegaTrainStrategy(), steps=2)
+    )
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_close_gives_the_module_back_plain(tmp_path, tier):
+    """``Engine.close`` leaves the module as it was before megatrain: its own forwards, no hooks, real
+    parameters: the trained weights on the host tier, meta tensors on the disk tier (its files are gone)."""
+    kwargs = {"offload_dir": str(tmp_path)} if tier == "disk" else {}
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(**kwargs), steps=2)
+    hf, engine = run.module.model, run.trainer.strategy.engine
+    trained = {k.removeprefix("model."): v.clone() for k, v in run.module.state_dict().items()}
+    engine.close()
+    params = dict(hf.named_parameters())
+    assert not any(isinstance(p, ParamPlaceholder) for p in params.values())
+    assert not any("forward" in m.__dict__ for m in hf.modules())
+    assert not any(m._state_dict_hooks or m._load_state_dict_pre_hooks for m in hf.modules())
+    if tier == "disk":
+        assert all(p.is_meta for p in params.values()) and not os.listdir(tmp_path)
+        return
+    kept = hf.state_dict()
+    assert all(torch.equal(kept[k], trained[k]) for k in trained)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    reference = tiny_model("llama")
+    reference.load_state_dict(kept)
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=ids).logits, reference(input_ids=ids).logits)

@@ -13,11 +13,11 @@ site per module that reaches its parameters (two for a tied embedding/head block
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from torch import nn
+from torch import Tensor, nn
 
 from megatrain_lightning.store.layout import SMALL_PARAM, Block, ParamSpec, align_up
 
@@ -169,3 +169,10 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
             block.sites.append(CallSite(sites[site_name], site_name, block, bindings))
         blocks.append(block)
     return blocks
+
+
+def bind(block: Block, tensors: Sequence[Tensor]) -> None:
+    """Make ``tensors[i]`` parameter ``i`` of ``block`` in every module that holds it (tied aliases too)."""
+    for site in block.sites:
+        for binding in site.bindings:
+            binding.owner._parameters[binding.attr] = tensors[binding.index]

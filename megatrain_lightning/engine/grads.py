@@ -82,7 +82,7 @@ class HostGrads:
             return
         start = time.perf_counter()
         self._room.acquire()  # back-pressure: waits while max_in_flight host adds are behind
-        self.stats.offload_wait_s += time.perf_counter() - start
+        self.stats.add(offload_wait_s=time.perf_counter() - start)
         try:
             staging = self._take_staging(next(iter(grads.values())).dtype)
         except BaseException:
@@ -173,7 +173,7 @@ class HostGrads:
 
     def _accumulate_now(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
         for grad in grads.values():
-            self.stats.d2h_bytes += grad.numel() * grad.element_size()
+            self.stats.add(d2h_bytes=grad.numel() * grad.element_size())
         if block not in self._pass_sums and final:
             self._add(block, "grad", self._present[block], grads)
             return

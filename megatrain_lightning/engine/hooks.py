@@ -2,9 +2,10 @@
 
 Each call site's ``forward`` becomes a :class:`PagedForward` and its ``state_dict``/``load_state_dict``
 read and write the store through :class:`EngineHook` objects registered with torch's public hook
-APIs. :func:`install` returns the undo of every change, so ``Engine.uninstall`` gives the modules back
-their own behaviour. A deep copy of a module (an EMA copy, with materialized weights) gets its own
-forward back and inert hooks: nothing in it reaches the engine.
+APIs. All of them reach the store through the module's :class:`~.weights.StoredWeights`, never the
+engine itself. :func:`install` returns the undo of every change, so ``StoredWeights.uninstall_hooks``
+gives the modules back their own behaviour. A deep copy of a module (an EMA copy, with materialized
+weights) gets its own forward back and inert hooks: nothing in it reaches the engine.
 """
 
 from __future__ import annotations
@@ -19,40 +20,40 @@ from torch import nn
 from megatrain_lightning.engine.blocks import CallSite
 
 if TYPE_CHECKING:
-    from megatrain_lightning.engine.runtime import Engine
+    from megatrain_lightning.engine.weights import StoredWeights
 
 
-def install(engine: Engine) -> list[Callable[[], None]]:
-    """Page every call site of ``engine``'s blocks; returns the undo of each change, in order."""
+def install(weights: StoredWeights) -> list[Callable[[], None]]:
+    """Page every call site of ``weights``' blocks; returns the undo of each change, in order."""
     undo: list[Callable[[], None]] = []
-    for block in engine.blocks:
+    for block in weights.blocks:
         for site in block.sites:
             module = site.module
             own_forward = module.__dict__.get("forward")
-            module.forward = PagedForward(engine, site, module.forward)
+            module.forward = PagedForward(weights, site, module.forward)
             undo.append(functools.partial(_restore_forward, module, own_forward))
             handles = [
                 module.register_state_dict_post_hook(
-                    EngineHook(functools.partial(engine.state_dict_hook, site))
+                    EngineHook(functools.partial(weights.state_dict_hook, site))
                 ),
                 module.register_load_state_dict_pre_hook(
-                    EngineHook(functools.partial(engine.load_hook, site))
+                    EngineHook(functools.partial(weights.load_hook, site))
                 ),
-                module.register_load_state_dict_post_hook(EngineHook(engine.forget_loaded_keys)),
+                module.register_load_state_dict_post_hook(EngineHook(weights.forget_loaded_keys)),
             ]
             undo.extend(handle.remove for handle in handles)
     return undo
 
 
 class PagedForward:
-    """A call site's ``forward`` while the engine holds its weights. A deep copy of the module (whose
+    """A call site's ``forward`` while the store holds its weights. A deep copy of the module (whose
     parameters the copy materializes) gets the module's own forward back."""
 
-    def __init__(self, engine: Engine, site: CallSite, forward: Callable) -> None:
-        self.engine, self.site, self.forward = engine, site, forward
+    def __init__(self, weights: StoredWeights, site: CallSite, forward: Callable) -> None:
+        self.weights, self.site, self.forward = weights, site, forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine.paged_forward(self.site, self.forward, *args, **kwargs)
+        return self.weights.forward(self.site, self.forward, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
         return copy.deepcopy(self.forward, memo)

@@ -2,19 +2,21 @@
 
 A slot holds one block's parameters in the compute dtype. ``acquire`` makes a block resident
 and pins it; ``release`` unpins it, but the copy stays cached until a slot is needed for
-another block or the block's weights change (``invalidate``). While the trace predicts the
-future, free slots are filled ahead of time by one worker thread (on CUDA through a copy stream
-whose copies the compute stream waits for by event), and the evicted block is the one needed
-farthest in the future (Belady). The compute thread never waits for a copy on the host: a slot is
-``ready`` once its copy is queued, and the host buffer the copy reads stays pinned in the store
-until a worker thread (the prefetcher, or for on-demand loads a copy waiter) has seen it finish.
+another block or the block's weights change: each copy remembers the store's ``version`` of its
+block, and a copy whose version the store has moved on is stale (the pager asks the store; no one
+tells the pager). While the trace predicts the future, free slots are filled ahead of time by one
+worker thread (on CUDA through a copy stream whose copies the compute stream waits for by event),
+and the evicted block is the one needed farthest in the future (Belady). A load reads the store,
+which makes it wait for a pending update of the block. The compute thread never waits for a copy
+on the host: a slot is ``ready`` once its copy is queued, and the host buffer the copy reads stays
+pinned in the store until a worker thread (the prefetcher, or for on-demand loads a copy waiter)
+has seen it finish.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -40,10 +42,10 @@ class _Slot:
     def __init__(self, buf: Tensor) -> None:
         self.buf = buf
         self.block: int | None = None
+        self.version = -1  # the store's version of ``block`` when its load began
         self.pins = 0
         self.ready: Future | None = None  # the copy is queued (the compute stream waits for ``copied``)
         self.done: Future | None = None  # the load is over: its host buffer released, the slot settled
-        self.stale = False
         cuda = buf.is_cuda
         self.copied = torch.cuda.Event(blocking=True) if cuda else None  # the worker sleeps on it
         self.released = torch.cuda.Event() if cuda else None
@@ -64,20 +66,14 @@ class Pager:
         dtype: torch.dtype,
         num_slots: int,
         prefetch_depth: int,
-        wait_for_update: Callable[[int], None],
         stats: EngineStats,
-        access_kinds: Callable[[bool, bool], tuple[str, ...]] = lambda backward, next_pass: ("param",),
     ) -> None:
-        """``access_kinds(backward, next_pass)``: the store kinds a forward/backward access of this or the
-        next pass uses (the store ranks and loads ahead by them)."""
         self.store = store
         self.device = device
         self.dtype = dtype
         self.prefetch_depth = prefetch_depth
         self.trace = Trace()
         self.stats = stats
-        self._wait_for_update = wait_for_update
-        self._access_kinds = access_kinds
         slot_numel = max(b.numel for b in store.blocks)
         self._slots = [_Slot(torch.empty(slot_numel, dtype=dtype, device=device)) for _ in range(num_slots)]
         self._resident: dict[int, _Slot] = {}
@@ -102,6 +98,7 @@ class Pager:
         start = time.perf_counter()
         with self._cond:
             self.trace.access((block, backward))
+            self._drop_stale()
             slot = self._resident.get(block)
             load_here = slot is None
             if load_here:
@@ -120,7 +117,7 @@ class Pager:
             raise
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
-        self.stats.fetch_wait_s += time.perf_counter() - start
+        self.stats.add(fetch_wait_s=time.perf_counter() - start)
         return slot.buf[: self.store.blocks[block].numel]
 
     def release(self, block: int) -> None:
@@ -130,19 +127,8 @@ class Pager:
             if slot.released is not None:
                 slot.released.record(torch.cuda.current_stream(self.device))
             self._cond.notify_all()
-
-    def invalidate(self, block: int) -> None:
-        """Forget the cached copy of ``block``: its master weights are about to change."""
-        with self._cond:
-            slot = self._resident.pop(block, None)
-            if slot is None:
-                return
-            if slot.pins:
-                raise RuntimeError(f"megatrain: block {block} changed while in use on the device")
-            if slot.loading:
-                slot.stale = True
-            else:
-                slot.block = None
+        if slot.version != self.store.version(block):
+            raise RuntimeError(f"megatrain: block {block} changed while in use on the device")
 
     def is_last_use(self, block: int) -> bool:
         with self._cond:
@@ -172,7 +158,7 @@ class Pager:
             ):
                 if victim.block is not None:
                     del self._resident[victim.block]
-                victim.block, victim.stale = block, False
+                victim.block, victim.version = block, self.store.version(block)
                 self._resident[block] = victim
                 self._note_peak()
                 return victim
@@ -185,15 +171,18 @@ class Pager:
                 )
             self._cond.wait()
 
+    def _drop_stale(self) -> None:
+        """Forget the copies of blocks whose weights changed since (a copy still loading settles as free)."""
+        for block, slot in list(self._resident.items()):
+            if slot.version == self.store.version(block):
+                continue
+            if slot.pins:
+                raise RuntimeError(f"megatrain: block {block} changed while in use on the device")
+            del self._resident[block]
+            if not slot.loading:
+                slot.block = None
+
     def _prefetch_ahead(self) -> None:
-        this_pass, next_pass = self.trace.future()
-        # Lazily: the host tier has no cache and never iterates it (this runs on every block fetch).
-        self.store.hint(
-            itertools.chain(
-                ((block, self._access_kinds(backward, False)) for block, backward in this_pass),
-                ((block, self._access_kinds(backward, True)) for block, backward in next_pass),
-            )
-        )
         uses = self._next_uses()
         wanted = [b for b in uses if b not in self._resident][: self.prefetch_depth]
         for block in sorted(wanted, key=uses.get):
@@ -208,7 +197,7 @@ class Pager:
         ``finish(self._finish_load, ...)`` (inline, or in the worker) (lock not held)."""
         unpin = contextlib.ExitStack()
         try:
-            self._wait_for_update(block)
+            self.store.wait_for_change(block)  # a pending update of the block
             start = time.perf_counter()
             self._copy_chunks(slot, block, unpin)
         except BaseException as err:  # surfaces in the waiting compute thread
@@ -259,23 +248,21 @@ class Pager:
             return
         end = time.perf_counter()
         TIMELINE.record("fetch", start, end)
-        self.stats.h2d_s += end - start
-        self.stats.h2d_bytes += nbytes
+        self.stats.add(h2d_s=end - start, h2d_bytes=nbytes)
         self._settle(slot, block)
 
     def _settle(
         self, slot: _Slot, block: int, error: BaseException | None = None, forget: bool = False
     ) -> None:
-        """End a load (``error``: how it failed; ``forget``: its copy was never queued); a stale block's
-        copy is dropped."""
+        """End a load (``error``: how it failed; ``forget``: its copy was never queued); a copy that went
+        stale while it loaded leaves its slot free."""
         with self._cond:
             if forget and self._resident.get(block) is slot:
                 # Surfaced to whoever waits for it now; later acquires load again (nothing stale: the
                 # retry succeeds with the right weights or fails again), so no failure outlives its run.
                 del self._resident[block]
+            if self._resident.get(block) is not slot:
                 slot.block = None
-            if slot.stale:
-                slot.block, slot.stale = None, False
             if error is None:
                 slot.done.set_result(None)
             else:

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 
 class WeightSource(Protocol):
-    """What a placeholder asks its engine (the engine implements it)."""
+    """What a placeholder asks about its weights (:class:`~.weights.StoredWeights` answers)."""
 
     guard_training_reads: bool
 
@@ -197,7 +197,7 @@ def _warn_grad_copy() -> None:
 
 
 def weight_source_of(module: nn.Module) -> WeightSource | None:
-    """The engine holding ``module``'s weights, found through its placeholders (no global registry)."""
+    """Where ``module``'s weights are stored, found through its placeholders (no global registry)."""
     for param in module.parameters():
         if isinstance(param, ParamPlaceholder):
             return param._source

@@ -5,6 +5,13 @@ binds the block's slot views into the module, runs, and unbinds. With autograd i
 through :class:`.paged_call.PagedCall`, an autograd function whose backward fetches the block again,
 recomputes the block (activation checkpointing) or replays its saved graph with the weights
 rebound to the new slot, computes the block's parameter gradients and offloads them at once.
+
+Data flows one way. The engine drives each step: it asks the pager for a block (the pager reads
+the store), runs it, hands the gradients to the offload (which adds them into the store) and, at a
+block's last use, submits its update to the optimizer (which changes the store). None of them calls
+back up: an update announces itself to the store (``HostStore.will_change``), which is how loads wait
+for it and how device copies know they are stale.
+
 Between calls the module holds placeholders (:mod:`megatrain_lightning.engine.placeholders`) in place of
 its parameters: shapes, device and dtype for whoever asks, no storage anywhere but the store. What a
 block's recompute may see is :mod:`megatrain_lightning.engine.recompute`'s rule.
@@ -13,8 +20,8 @@ Threads and locks (the contract every part keeps):
 
 - the compute thread (Lightning's) runs forward and backward, acquires and releases slots, offloads
   gradients (inline on the CPU) and submits block updates; it is the only one that calls the engine;
-- the pager's prefetch worker copies blocks into free slots; before a load it waits for the block's
-  pending update. Slots, the resident map and the trace are guarded by ``Pager._cond``;
+- the pager's prefetch worker copies blocks into free slots. Slots and the resident map are guarded
+  by ``Pager._cond``; the trace is written and read by the compute thread only;
 - the gradient-offload worker (CUDA) adds copied gradients into the store and submits the block's
   update; ``flush`` waits for all of its work before anyone reads the sums;
 - the optimizer's workers run block updates (:mod:`megatrain_lightning.optim.updates` guards what is
@@ -26,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,14 +46,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from megatrain_lightning.engine import hooks
-from megatrain_lightning.engine.blocks import CallSite, discover_blocks
+from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
 from megatrain_lightning.engine.trace import UpdateCadence
+from megatrain_lightning.engine.weights import StoredWeights
 from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
 from megatrain_lightning.serialization.safetensors_io import read_into
 from megatrain_lightning.store.disk import DiskStore
@@ -86,24 +95,42 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, blocks: list[Block], config: EngineConfig) -> None:
+    """Runs one module over the store; owned by the strategy that trains it (see :mod:`.weights`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[Block],
+        config: EngineConfig,
+        weights: StoredWeights | None = None,
+    ) -> None:
+        """``weights``: the store of a module an earlier engine adopted (a later ``fit``); else ``model``'s
+        weights move into a new store."""
         self.blocks = blocks
         self.stats = EngineStats()
-        self.store = config.make_store(blocks, self.stats)
+        if weights is None:
+            weights = StoredWeights(config.make_store(blocks, self.stats), blocks, config)
+        else:
+            _check_same_tier(weights.built_for, config)
+            weights.store.stats = self.stats
+            _resize_cache(weights.store, config)
+        self.weights = weights
+        self.store = weights.store
+        self.locations = weights.locations
         self.grads = HostGrads(self.store, config.device, self.stats)
         self.optimizer: Any = None  # CPUAdamW once fitting
         self._cadence = UpdateCadence()
-        # Qualified parameter name (every alias of a tied weight) -> (block, index in block).
-        self.locations: dict[str, tuple[int, int]] = {}
-        self._placeholders: list[list[nn.Parameter]] = []
         self._anchor = torch.zeros((), requires_grad=True)
-        self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see _load_hook)
         # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
         self.guard_training_reads = False
         self.config = config
         self.pager = self._make_pager(config)
-        self._adopt(model)
-        self._uninstall = hooks.install(self)
+        if not weights.placeholders:
+            self._adopt(model)
+            weights.install_hooks()
+        weights.attach(self)
+        # Gradients and optimizer state are this engine's: freed with it (the weights stay with the module).
+        weakref.finalize(self, weights.release_training_state)
         self.update_host_bytes()
 
     @classmethod
@@ -113,11 +140,16 @@ class Engine:
         block_classes: Iterable[str | type] | None,
         make_config: Callable[[list[Block]], EngineConfig],
     ) -> Engine:
-        """The engine of ``model``: created on first use, reconfigured (same store) afterwards. A module
-        whose weights an engine holds keeps that engine alive through its placeholders."""
-        engine = weight_source_of(model)
-        if isinstance(engine, Engine):
-            engine.configure(make_config(engine.blocks))
+        """The engine of ``model``: created on first use; reconfigured while the engine that holds it
+        lives; built anew on the same store once that engine is gone."""
+        weights = weight_source_of(model)
+        if isinstance(weights, StoredWeights):
+            weights.store.forget_read_failures()
+            config = make_config(weights.blocks)
+            engine = weights.engine
+            if engine is None:
+                return cls(model, weights.blocks, config, weights)
+            engine.configure(config)
             return engine
         blocks = discover_blocks(model, block_classes)
         return cls(model, blocks, make_config(blocks))
@@ -126,26 +158,14 @@ class Engine:
         """New device, dtype or slot budget; the store, and so the weights, stay."""
         if config == self.config:
             return
-        fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir")
-        if any(getattr(config, f) != getattr(self.config, f) for f in fixed):
-            raise MisconfigurationException(
-                f"megatrain: this model's store was built for {self.config.device} with offload_dir="
-                f"{self.config.offload_dir!r}; a later strategy must use the same device and tier."
-            )
-        if self.optimizer is not None:  # a failure of its updates reached the user with the run it stopped
-            self.optimizer.close()
-            self.optimizer = None
+        _check_same_tier(self.config, config)
+        self.drop_optimizer()
         self.grads.flush()
         self.pager.close()
         del self.pager  # its slots are freed before the new pager allocates its own
-        if isinstance(self.store, DiskStore):
-            self.store.resize_cache(config.cache_bytes)
+        _resize_cache(self.store, config)
         self.config = config
         self.pager = self._make_pager(config)
-
-    def invalidate(self, block: int) -> None:
-        """``block``'s master weights are about to change: forget its device copy."""
-        self.pager.invalidate(block)
 
     def _make_pager(self, config: EngineConfig) -> Pager:
         return Pager(
@@ -154,9 +174,7 @@ class Engine:
             config.compute_dtype,
             config.num_slots,
             config.prefetch_depth,
-            self._wait_for_update,
             self.stats,
-            self._access_kinds,
         )
 
     # -- taking the model over --
@@ -180,7 +198,7 @@ class Engine:
                 s.name for s, p, e in zip(block.params, originals, stored, strict=True) if p.is_meta and not e
             ]
             missing += unfilled
-            with self.store.pinned(block.index, "param", write=True) as flat:
+            with self.store.rewriting(block.index) as flat:
                 views = block.views(flat)
                 if unfilled:
                     self._initialize(block, views, init_hf)
@@ -189,10 +207,9 @@ class Engine:
                         read_into(entry, view)
                     elif not original.is_meta:
                         view.copy_(original.detach())
-            self.store.written(block.index, ["param"])
             placeholders = [
                 ParamPlaceholder.make_parameter(
-                    self,
+                    self.weights,
                     block.index,
                     index,
                     spec.name,
@@ -203,8 +220,8 @@ class Engine:
                 )
                 for index, spec in enumerate(block.params)
             ]
-            self._placeholders.append(placeholders)
-            self._bind_all(block, placeholders)
+            self.weights.placeholders.append(placeholders)
+            bind(block, placeholders)
         if sources and missing:
             log.warning(
                 f"megatrain: {len(missing)} parameters are not in the checkpoint; initialized: {missing[:5]}"
@@ -222,7 +239,7 @@ class Engine:
     ) -> None:
         """Initialize a block built on meta directly in the store, the way its model would."""
         params = [nn.Parameter(v, requires_grad=False) for v in views]
-        self._bind_all(block, params)
+        bind(block, params)
         with torch.no_grad():
             for site in block.sites:
                 for module in site.module.modules():
@@ -231,25 +248,7 @@ class Engine:
                     elif hasattr(module, "reset_parameters"):
                         module.reset_parameters()
 
-    @staticmethod
-    def _bind_all(block: Block, tensors: list[Tensor]) -> None:
-        for site in block.sites:
-            for binding in site.bindings:
-                binding.owner._parameters[binding.attr] = tensors[binding.index]
-
-    def uninstall(self) -> None:
-        """Give the call sites back their own forwards and state-dict behaviour (parameters stay
-        placeholders: the store keeps the weights)."""
-        while self._uninstall:
-            self._uninstall.pop()()
-
-    # -- what placeholders ask (see megatrain_lightning.engine.placeholders) --
-
-    def read_param(self, block: int, index: int) -> Tensor:
-        """A copy of one parameter's current master weights."""
-        self._wait_for_update(block)
-        with self.store.pinned(block, "param") as flat:
-            return self.blocks[block].views(flat)[index].clone()
+    # -- what the module's side asks (see megatrain_lightning.engine.weights) --
 
     def read_grad(self, block: int, index: int) -> Tensor | None:
         """A copy of one parameter's gradient summed since the optimizer's last ``zero_grad``."""
@@ -267,44 +266,16 @@ class Engine:
         with self.store.pinned(block, "grad") as flat:
             return self.blocks[block].views(flat)[index].clone()
 
-    def state_dict_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, meta: Any) -> None:
-        self.wait_all()
-        views = site.block.views(self.store.read(site.block.index, "param"))
-        for binding in site.bindings:
-            key = prefix + binding.name
-            if key in state:
-                state[key] = views[binding.index]
-
-    def load_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        """Copy incoming weights into the store and take their keys out of the module's hands (its
-        parameters are meta); a wrong shape is left for the module to report as usual."""
-        self.wait_all()
-        block = site.block.index
-        with self.store.pinned(block, "param", write=True) as flat:
-            views = site.block.views(flat)
-            for binding in site.bindings:
-                key = prefix + binding.name
-                value = state.get(key)
-                if value is not None and value.shape == views[binding.index].shape:
-                    views[binding.index].copy_(value)
-                    del state[key]
-                    self._loaded_keys.add(key)
-        self.store.written(block, ["param"])
-        self.invalidate(block)
-
-    def forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
-        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded_keys]
-        self._loaded_keys.clear()
-
     def close(self) -> None:
-        """Stop the worker threads and release the store (the disk tier removes its files unless kept).
-        Otherwise that happens when the model is garbage-collected or the process exits."""
+        """Stop the worker threads, give the module plain parameters back and release the store (the disk
+        tier removes its files unless kept). The host tier's parameters become its weights in RAM; the
+        disk tier's, in general too large for RAM, become meta tensors: save or export before. Without
+        ``close`` that happens when the module is garbage-collected or the process exits."""
         self.grads.close()  # first: a pending offload may still submit an update
-        if self.optimizer is not None:
-            self.optimizer.close()
+        self.drop_optimizer()
         self.pager.close()
+        self.weights.give_back(materialize=not isinstance(self.store, DiskStore))
         self.store.close()
-        self.uninstall()
 
     # -- running --
 
@@ -321,6 +292,18 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer.wait_all()
 
+    def drop_optimizer(self) -> None:
+        """Close the optimizer of a run that ended (a failure of its updates reached the user with it)."""
+        if self.optimizer is not None:
+            self.optimizer.close()
+            self.optimizer = None
+
+    def end_stopped_run(self) -> None:
+        """A failure stopped the run and is on its way to the user: from now on the store's blocks are
+        read as they are, and failed reads may be tried again."""
+        self.drop_optimizer()
+        self.store.forget_read_failures()
+
     def update_host_bytes(self) -> None:
         self.stats.host_bytes = self.store.nbytes()
 
@@ -334,14 +317,22 @@ class Engine:
         updates = self._cadence.next_updates() if next_pass else self.optimizer.stepping
         return self.optimizer.update_kinds if updates else ("param", "grad")
 
-    def _wait_for_update(self, block: int) -> None:
-        if self.optimizer is not None:
-            self.optimizer.wait(block)
+    def _hint_store(self) -> None:
+        """Tell the store what the trace predicts, each access with the kinds it uses (a disk tier ranks
+        its cache and reads ahead by it)."""
+        this_pass, next_pass = self.pager.trace.future()
+        # Lazily: the host tier has no cache and never iterates it (this runs on every block fetch).
+        self.store.hint(
+            itertools.chain(
+                ((block, self._access_kinds(backward, False)) for block, backward in this_pass),
+                ((block, self._access_kinds(backward, True)) for block, backward in next_pass),
+            )
+        )
 
     def paged_forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
         """One call of ``site``: with its block resident and bound when nothing needs gradients (evaluation),
         else as a :class:`PagedCall` (the training path, under the recompute rule)."""
-        placeholders = self._placeholders[site.block.index]
+        placeholders = self.weights.placeholders[site.block.index]
         trains = any(placeholders[i].requires_grad for i in site.param_indices) or any(
             t.requires_grad for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)
         )
@@ -362,8 +353,9 @@ class Engine:
         """Bind ``site``'s parameters to slot views for the duration of the context."""
         block = site.block
         slot = self.pager.acquire(block.index, backward)
+        placeholders = self.weights.placeholders[block.index]
         try:
-            placeholders = self._placeholders[block.index]
+            self._hint_store()
             tensors = {}
             for index in site.param_indices:
                 p = block.params[index]
@@ -376,7 +368,7 @@ class Engine:
             yield slot, tensors
         finally:
             for binding in site.bindings:
-                binding.owner._parameters[binding.attr] = self._placeholders[block.index][binding.index]
+                binding.owner._parameters[binding.attr] = placeholders[binding.index]
             self.pager.release(block.index)
 
     def offload(
@@ -385,10 +377,11 @@ class Engine:
         """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer."""
         block = site.block
         found = {index: g for index, g in zip(leaves, grads, strict=True) if g is not None}
-        ready = functools.partial(self._block_ready, block.index) if last_use else _nothing
-        if last_use and self.optimizer is not None:
-            self.optimizer.wait_for_room()
-            self.optimizer.claim_gradients(block.index)
+        optimizer = self.optimizer if last_use else None
+        ready = functools.partial(optimizer.block_ready, block.index) if optimizer is not None else _nothing
+        if optimizer is not None:
+            optimizer.wait_for_room()
+            optimizer.claim_gradients(block.index)
         if found:
             # Without a trace to say otherwise, a block with one call site is used once per pass.
             final = last_use or (not self.pager.trace.following and len(block.sites) == 1)
@@ -396,10 +389,20 @@ class Engine:
         else:
             ready()
 
-    def _block_ready(self, block: int) -> None:
-        if self.optimizer is not None:
-            self.optimizer.block_ready(block)
-
 
 def _nothing() -> None:
     return None
+
+
+def _check_same_tier(built_for: EngineConfig, config: EngineConfig) -> None:
+    fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir")
+    if any(getattr(config, f) != getattr(built_for, f) for f in fixed):
+        raise MisconfigurationException(
+            f"megatrain: this model's store was built for {built_for.device} with offload_dir="
+            f"{built_for.offload_dir!r}; a later strategy must use the same device and tier."
+        )
+
+
+def _resize_cache(store: HostStore, config: EngineConfig) -> None:
+    if isinstance(store, DiskStore):
+        store.resize_cache(config.cache_bytes)

@@ -25,6 +25,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,6 @@ class CPUAdamW(Optimizer):
         store: the store holding the master weights; ``exp_avg``/``exp_avg_sq`` are added to it.
         grads: the host gradient accumulator the engine offloads into.
         locate: ``id(param) -> (block, index)`` for every parameter in ``params``.
-        before_update: called with a block index right before that block's weights change.
         decoupled_weight_decay: AdamW (``True``) or Adam with L2 weight decay (``False``).
         compression: ``"none"`` (fp32 moments: bitwise torch), ``"int8"`` or ``"int4"``: the moments of
             the large parameters of repeated blocks (decoder layers) are stored block-quantized
@@ -92,7 +92,6 @@ class CPUAdamW(Optimizer):
         store: HostStore,
         grads: HostGrads,
         locate: dict[int, tuple[int, int]],
-        before_update: Callable[[int], None] = lambda block: None,
         stats: EngineStats | None = None,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -127,7 +126,6 @@ class CPUAdamW(Optimizer):
         self.grads = grads
         self.decoupled_weight_decay = decoupled_weight_decay
         self.defer_updates = False
-        self._before_update = before_update
         self._in_step = False
         self._hparams: list[_GroupHparams] = []
         self._clip = _Clip()
@@ -234,7 +232,10 @@ class CPUAdamW(Optimizer):
         self.grads.clear()
 
     def close(self) -> None:
+        """Wait for the running updates and stop; a failure among them was the run's end, already
+        reported, so the store reads the blocks as they are from now on."""
         self.updates.close()
+        self.store.accept_failed_changes()
 
     # -- clipping (called by the precision plugin after the closure) --
 
@@ -301,8 +302,8 @@ class CPUAdamW(Optimizer):
     def _submit(self, block: int) -> None:
         hparams, clip = self._hparams, self._clip
 
-        def prepare() -> None:
-            self._before_update(block)
+        def prepare(done: Future) -> None:
+            self.store.will_change(block, done)  # copies of the block go stale; its readers wait
             self.store.claim(block, self.update_kinds)
 
         self.updates.submit(block, prepare, functools.partial(self._run, block, hparams, clip))
@@ -312,7 +313,7 @@ class CPUAdamW(Optimizer):
         self._update(block, hparams, clip)
         end = time.perf_counter()
         TIMELINE.record("optimizer", start, end)
-        self.stats.optimizer_s += end - start
+        self.stats.add(optimizer_s=end - start)
 
     @property
     def update_kinds(self) -> tuple[str, ...]:

@@ -2,10 +2,10 @@
 
 Thread contract: the compute thread submits updates (``submit``, from ``CPUAdamW.block_ready`` and
 ``step``) and waits (``wait_for_room`` in backward, ``wait_all`` at the step's end); on CUDA the
-gradient-offload worker submits too; the pager's prefetch worker waits for one block (``wait``)
-before it loads it; the pool's workers run the updates. ``_pending`` and ``_submitted`` are shared
-between those threads under ``_lock``; a block's buffers and step counters are touched only by its
-update, or by a thread that waited for it.
+gradient-offload worker submits too; the pool's workers run the updates. Readers of a block (the pager's
+loads) do not come here: the store makes them wait for the change ``prepare`` announced. ``_pending``
+and ``_submitted`` are shared between those threads under ``_lock``; a block's buffers and step counters
+are touched only by its update, or by a thread that waited for it.
 """
 
 from __future__ import annotations
@@ -73,17 +73,16 @@ class UpdateQueue:
         with self._lock:
             self._submitted.clear()
 
-    def submit(self, block: int, prepare: Callable[[], None], run: Callable[[], None]) -> None:
-        """Queue ``run`` as ``block``'s update after ``prepare`` (in this thread). The future is registered
-        first, so that a load of the block starting after ``prepare`` forgot its device copy waits for it;
-        it resolves on every path."""
+    def submit(self, block: int, prepare: Callable[[Future], None], run: Callable[[], None]) -> None:
+        """Queue ``run`` as ``block``'s update after ``prepare(future)`` (in this thread), which announces
+        the change and its future to the store. The future resolves on every path."""
         self.failure.raise_if_any()  # after a failed update nothing more changes
         future: Future = Future()
         with self._lock:
             self._submitted.add(block)
             self._pending[block] = future
         try:
-            prepare()
+            prepare(future)
             self._pool.submit(self._run, run, future)
         except BaseException as err:
             # Kept as a copy: err's traceback holds this thread's frames (see ``result_of``).
@@ -106,7 +105,7 @@ class UpdateQueue:
         if future is not None and not future.done():
             start = time.perf_counter()
             future.exception()  # waits without raising
-            self.stats.optimizer_wait_s += time.perf_counter() - start
+            self.stats.add(optimizer_wait_s=time.perf_counter() - start)
         self.failure.raise_if_any()
 
     def wait_all(self) -> None:
@@ -123,7 +122,7 @@ class UpdateQueue:
         if len(queued) > self.max_queued:
             start = time.perf_counter()
             wait_for_any(queued, return_when=FIRST_COMPLETED)
-            self.stats.optimizer_wait_s += time.perf_counter() - start
+            self.stats.add(optimizer_wait_s=time.perf_counter() - start)
         self.failure.raise_if_any()
 
     def close(self) -> None:

@@ -244,11 +244,9 @@ def check_compatible(ckpt: CheckpointDir, engine: Any) -> None:
 def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
     entries = ckpt.weights().entries
     for block in engine.blocks:
-        with engine.store.pinned(block.index, "param", write=True) as flat:
+        with engine.store.rewriting(block.index) as flat:
             for spec, view in zip(block.params, block.views(flat), strict=True):
                 read_into(entries[spec.name], view)
-        engine.store.written(block.index, ["param"])
-        engine.invalidate(block.index)
     for name, entry in ckpt.buffers().entries.items():
         module.get_buffer(name).copy_(read_tensor(entry))
 

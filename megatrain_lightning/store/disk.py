@@ -19,11 +19,9 @@ into a buffer of its own outside the cache, and scatters it back when written.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import json
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -37,7 +35,14 @@ from torch import Tensor
 from megatrain_lightning.engine.futures import fresh_copy, result_of
 from megatrain_lightning.store.arena import Arena, whole_pages_in
 from megatrain_lightning.store.host import HostStore
-from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error
+from megatrain_lightning.store.io import (
+    BlockFile,
+    IOConfig,
+    StoreIOError,
+    close_files,
+    io_error,
+    lock_directory,
+)
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import ALIGNMENT, host_empty, pages
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -99,7 +104,7 @@ class DiskStore(HostStore):
         super().__init__(blocks, pin_memory, stats, self.io.chunk_numel)
         self.directory = os.path.join(offload_dir, STORE_DIRNAME)
         os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = _lock(self.directory)
+        self._lock_fd = lock_directory(self.directory)
         self._cond = threading.Condition()
         self._arena = Arena(cache_bytes, pin_memory)
         self._entries: dict[Key, _Entry] = {}
@@ -111,13 +116,16 @@ class DiskStore(HostStore):
         self._claimed: dict[Key, int] = {}
         self._claims = itertools.count()
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
+        # A failed read, read ahead or not: this run stops at its next pin (the files are whole: the next
+        # run reads again).
+        self._read_failure: StoreIOError | None = None
         self._workers = ThreadPoolExecutor(self.io.threads, thread_name_prefix="megatrain-io")
         self._files: dict[str, BlockFile] = {}
         self._offsets: dict[str, list[list[int]]] = {}  # kind -> block -> chunk -> file offset
         for kind in kinds:
             self._open(kind)
         self._write_manifest()
-        self._cleanup = weakref.finalize(self, _remove, self._files, self._lock_fd, self.directory, keep)
+        self._cleanup = weakref.finalize(self, close_files, self._files, self._lock_fd, self.directory, keep)
 
     @property
     def cache_bytes(self) -> int:
@@ -150,7 +158,10 @@ class DiskStore(HostStore):
         self, block: int, kinds: Iterable[str], write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[dict[str, Tensor]]:
         """Within one chunk: views of the cached chunks of all ``kinds``, pinned at once. Across chunks: a
-        gathered copy (outside the cache), scattered back chunk by chunk if ``write``."""
+        gathered copy (outside the cache), scattered back chunk by chunk if ``write``. A read waits for the
+        block's announced change."""
+        if not write:
+            self.wait_for_change(block)
         kinds = list(kinds)
         chunks = self._chunks_in(block, span)
         if len(chunks) > 1:
@@ -219,8 +230,9 @@ class DiskStore(HostStore):
         it ranks after the claims made earlier and before everything the trace predicts."""
         me = threading.get_ident()
         with self._cond:
-            if self._failure is not None:
-                raise fresh_copy(self._failure)
+            for failure in (self._failure, self._read_failure):
+                if failure is not None:
+                    raise fresh_copy(failure)
             # A claim made before a write stays until ``written``/``discard`` (a gradient sum whose update
             # follows stays cached until that update used it); the rest end with this pin.
             kept = {key for key in keys if write and key in self._claimed}
@@ -253,6 +265,7 @@ class DiskStore(HostStore):
 
     def read(self, block: int, kind: str) -> Tensor:
         if len(self._chunks[block]) > 1:
+            self.wait_for_change(block)
             return self._gather(block, [kind], None)[kind]
         with self.pinned(block, kind) as buf:
             return buf.clone()
@@ -299,6 +312,17 @@ class DiskStore(HostStore):
                 for kind in kinds:
                     self._claimed[(block, kind, chunk)] = self._claim_rank()
             self._load_ahead()
+
+    def forget_read_failures(self) -> None:
+        with self._cond:
+            self._read_failure = None
+            for key, entry in list(self._entries.items()):
+                if _failed(entry.ready) and not entry.pins:
+                    self._evict(key, entry)
+
+    def release_all_but(self, *kinds: str) -> None:
+        """Nothing to free at once: other kinds live in the block files until the store closes, and in a
+        cache bounded by ``cache_bytes`` (a finalizer may not take ``_cond`` to evict them)."""
 
     def nbytes(self, *kinds: str) -> int:
         with self._cond:
@@ -478,12 +502,14 @@ class DiskStore(HostStore):
         try:
             file.read(self._offsets[kind][block][chunk], entry.raw)
         except OSError as err:
-            raise io_error(err, file.path, "reading") from err
+            failure = io_error(err, file.path, "reading")
+            with self._cond:
+                self._read_failure = failure
+            raise failure from err
         finally:
             self._done()
         TIMELINE.record("disk", start, time.perf_counter())
-        self.stats.disk_read_s += time.perf_counter() - start
-        self.stats.disk_read_bytes += entry.raw.numel()
+        self.stats.add(disk_read_s=time.perf_counter() - start, disk_read_bytes=entry.raw.numel())
 
     def _write(self, key: Key, entry: _Entry) -> None:
         block, kind, chunk = key
@@ -501,8 +527,7 @@ class DiskStore(HostStore):
         finally:
             self._done()
         TIMELINE.record("disk", start, time.perf_counter())
-        self.stats.disk_write_s += time.perf_counter() - start
-        self.stats.disk_write_bytes += entry.raw.numel()
+        self.stats.add(disk_write_s=time.perf_counter() - start, disk_write_bytes=entry.raw.numel())
 
     def _done(self) -> None:
         with self._cond:
@@ -543,26 +568,3 @@ class DiskStore(HostStore):
         with open(path + ".tmp", "w") as f:
             json.dump(manifest, f, indent=1)
         os.replace(path + ".tmp", path)
-
-
-def _lock(directory: str) -> int:
-    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as err:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreIOError(
-            err.errno, f"megatrain: {directory} is in use by {owner}; give each run its own `offload_dir`."
-        ) from err
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-    return fd
-
-
-def _remove(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: bool) -> None:
-    for file in files.values():
-        file.close()
-    if not keep:
-        shutil.rmtree(directory, ignore_errors=True)
-    os.close(lock_fd)

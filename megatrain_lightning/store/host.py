@@ -9,6 +9,11 @@ they move. In this host tier every buffer stays in RAM for the store's whole lif
 A block's buffers are also cut into *chunks* (``spans``: the same element ranges for every kind), the unit
 the disk tier caches, reads and writes: callers on the hot path (fetch, gradient add, update) pin one
 ``span`` at a time, so the memory they need is a few chunks, whatever the block size.
+
+The store also keeps the rule that makes asynchronous updates safe: whoever is about to change a
+block's weights says so first (``will_change``, with the future of an update running elsewhere).
+That moves the block's ``version`` on, so every copy taken before (a device slot) knows it is stale,
+and reads of the block wait until the change is done. Readers never need to know who changes what.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.futures import result_of
 from megatrain_lightning.store.layout import CHUNK_NUMEL, Block, chunk_spans
 from megatrain_lightning.store.memory import host_empty
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -47,6 +55,8 @@ class HostStore:
         self._buffers: dict[tuple[int, str], Tensor] = {}
         self._kinds: dict[str, tuple[torch.dtype, Callable[[Block], int], Span]] = {}
         self._lock = threading.Lock()
+        self._versions = [0] * len(blocks)
+        self._changes: dict[int, Future] = {}  # block -> the update changing it (kept once done)
 
     def define_kind(
         self, kind: str, dtype: torch.dtype, numel: Callable[[Block], int], span: Span | None = None
@@ -70,14 +80,62 @@ class HostStore:
             return 0, self.layout(block, kind)[1]
         return self._kinds.get(kind, _FP32)[2](self.blocks[block], *span)
 
+    def will_change(self, block: int, done: Future | None = None) -> None:
+        """``block``'s weights are about to change: copies taken before are stale from now on, and until
+        ``done`` (the change running in another thread) resolves, reads of the block wait for it."""
+        with self._lock:
+            self._versions[block] += 1
+            if done is None:
+                self._changes.pop(block, None)
+            else:
+                self._changes[block] = done
+
+    def version(self, block: int) -> int:
+        """Moves on whenever ``block``'s weights are about to change; a copy taken at one version is
+        current while the version stays."""
+        return self._versions[block]
+
+    def wait_for_change(self, block: int) -> None:
+        """Wait until the change announced for ``block`` (if any) is done; raise if it failed (its weights
+        are then neither the old nor the new ones: nothing may read them)."""
+        with self._lock:
+            change = self._changes.get(block)
+        if change is None:
+            return
+        if not change.done():
+            start = time.perf_counter()
+            change.exception()
+            self.stats.add(optimizer_wait_s=time.perf_counter() - start)
+        result_of(change)
+
+    def accept_failed_changes(self) -> None:
+        """The run whose changes failed has stopped and reported it: read those blocks as they are."""
+        with self._lock:
+            for block, change in list(self._changes.items()):
+                if change.done() and change.exception() is not None:
+                    del self._changes[block]
+
     @contextlib.contextmanager
     def pinned(
         self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[Tensor]:
         """The flat buffer of ``kind`` for ``block`` (zeros until first written), or the part of it that
-        block elements ``span`` own, held for the context."""
+        block elements ``span`` own, held for the context. A read waits for the block's announced change;
+        a writer is the change, or ordered after it."""
+        if not write:
+            self.wait_for_change(block)
         start, stop = self.kind_span(block, kind, span)
         yield self._buffer(block, kind)[start:stop]
+
+    @contextlib.contextmanager
+    def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
+        """``pinned(write=True)`` for a change made in this thread (loading weights): after the block's
+        pending change, copies taken before go stale, and the new contents are written back."""
+        self.wait_for_change(block)
+        self.will_change(block)
+        with self.pinned(block, kind, write=True) as flat:
+            yield flat
+        self.written(block, [kind])
 
     @contextlib.contextmanager
     def pinned_all(
@@ -89,6 +147,7 @@ class HostStore:
 
     def read(self, block: int, kind: str) -> Tensor:
         """The current contents, for callers that keep them (state dicts): the buffer itself here."""
+        self.wait_for_change(block)
         return self._buffer(block, kind)
 
     def written(self, block: int, kinds: Iterable[str], span: tuple[int, int] | None = None) -> None:
@@ -111,6 +170,16 @@ class HostStore:
         return sum(
             b.numel() * b.element_size() for (_, k), b in self._buffers.items() if not kinds or k in kinds
         )
+
+    def forget_read_failures(self) -> None:
+        """The run a failed read stopped is over (or a new one starts): the files are whole, so reads may
+        be tried again (the disk tier refuses every pin after a failed read until then)."""
+
+    def release_all_but(self, *kinds: str) -> None:
+        """Free every buffer not of ``kinds`` (the state of a run that ended). Without the lock, by single
+        dict operations: this runs from a finalizer, which may interrupt any thread, even one holding it."""
+        for key in [key for key in list(self._buffers) if key[1] not in kinds]:
+            self._buffers.pop(key, None)
 
     def flush(self) -> None:
         """Make the authoritative copy complete (the disk tier writes its dirty cache back)."""

@@ -2,15 +2,15 @@
 (which predicts one).
 
 The disk tier's RAM cache holds chunks (``io_chunk_mb`` of fp32 each, never more than a block), and the
-hot paths pin a few at a time: each fetch into a device slot one (on CUDA up to three while copies are in
-flight; two fetches run at once: the prefetcher's and a demand), the gradient offload two (the gradient
-and its per-pass sum), each optimizer thread one chunk of each kind of the block it updates (weights,
-gradient, m, v: at most four fp32 chunks' worth), and a few more in flight (write-backs, the next read).
-The cache must hold those and one more chunk (eviction finds the rest of the room: small regions are
-placed apart from large ones, and a demand waits while other threads hold what it needs). So the RAM the
-disk tier needs is bounded by the chunk size, whatever the block size. Its files hold the master
-weights and Adam m and v; the gradient sums (and per-pass sums of tied blocks) reach them only when
-the cache must evict them before their update used them, which is planned for under gradient accumulation.
+hot paths pin a few at a time: each fetch into a device slot one (on CUDA up to three while its copies
+are in flight; two fetches run at once: the prefetcher's and a demand), the gradient offload two (the
+gradient and its per-pass sum), each optimizer thread one chunk of each kind of the block it updates
+(weights, gradient, m, v: at most four fp32 chunks' worth, less when the moments are quantized). The cache
+must hold those and one more chunk (reads and write-backs in flight are waited for; small regions are
+placed apart from large ones). So the RAM the disk tier needs is bounded by the chunk size, whatever the
+block size. Its files hold the master weights and Adam m and v; the gradient sums (and per-pass sums of
+tied blocks) reach them only when the cache must evict them before their update used them, which is
+planned for under gradient accumulation.
 """
 
 from __future__ import annotations
@@ -18,32 +18,32 @@ from __future__ import annotations
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.store.layout import CHUNK_NUMEL, Block
-from megatrain_lightning.store.memory import ALIGNMENT, pages
+from megatrain_lightning.store.memory import pages
 
 FP32_BYTES = 4
 # Adam m and v per parameter: fp32, or block-quantized (int8: m in blocks of 256, v of 128; int4: both of
 # 128; one fp32 scale per block). Only the large parameters of repeated blocks are quantized.
 STATE_BYTES = {"none": 8.0, "int8": 2 + 4 / 256 + 4 / 128, "int4": 1 + 8 / 128}
-FETCH_CHUNKS = 2 * 3  # two fetches at once, each pinning up to three chunks (CUDA copies in flight)
+FETCHES = 2  # the prefetcher's and a demand load
+CUDA_FETCH_CHUNKS = 3  # chunks one fetch pins on CUDA (copies in flight); one elsewhere
 OFFLOAD_CHUNKS = 2  # the gradient and its per-pass sum
 KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the chunk an optimizer thread updates
-IN_FLIGHT = 3  # write-backs and reads under way
-QUANTIZED_KINDS = 2  # regions beyond the fp32 chunks per update: the scales of m and v (small)
 _GB = 1e9
 
 
-def pinned_chunks(optimizer_threads: int = 1) -> int:
+def pinned_chunks(optimizer_threads: int = 1, cuda: bool = True) -> int:
     """fp32 chunks the hot paths of the disk tier pin at once, at most."""
-    return FETCH_CHUNKS + OFFLOAD_CHUNKS + KINDS_PER_UPDATE * optimizer_threads + IN_FLIGHT
+    fetch = FETCHES * (CUDA_FETCH_CHUNKS if cuda else 1)
+    return fetch + OFFLOAD_CHUNKS + KINDS_PER_UPDATE * optimizer_threads
 
 
-def min_cache_bytes(largest_block: int, optimizer_threads: int = 1, chunk_numel: int = CHUNK_NUMEL) -> int:
+def min_cache_bytes(
+    largest_block: int, optimizer_threads: int = 1, chunk_numel: int = CHUNK_NUMEL, cuda: bool = True
+) -> int:
     """The smallest host cache the disk tier runs with: room for the pinned chunks (each the chunk size, or
-    the largest block if smaller) and one more, plus a page per pinned region for rounding."""
+    the largest block if smaller, in whole pages) and one more."""
     chunk = pages(FP32_BYTES * min(chunk_numel, largest_block))
-    pinned = pinned_chunks(optimizer_threads)
-    regions = pinned + QUANTIZED_KINDS * optimizer_threads
-    return (pinned + 1) * chunk + regions * ALIGNMENT
+    return (pinned_chunks(optimizer_threads, cuda) + 1) * chunk
 
 
 def region_bytes(blocks: list[Block]) -> int:
@@ -91,10 +91,11 @@ def cache_bytes_for(
     max_cpu_gb: float | None,
     default_bytes: int,
     chunk_numel: int = CHUNK_NUMEL,
+    cuda: bool = True,
 ) -> int:
     """The disk tier's cache: ``max_cpu_gb`` if given (refused below :func:`min_cache_bytes`), else
     ``default_bytes`` raised to that minimum."""
-    working_set = min_cache_bytes(max(b.numel for b in blocks), optimizer_threads, chunk_numel)
+    working_set = min_cache_bytes(max(b.numel for b in blocks), optimizer_threads, chunk_numel, cuda)
     if max_cpu_gb is None:
         return max(working_set, default_bytes)
     if max_cpu_gb * _GB < working_set:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
+
+_ADDING = threading.Lock()
 
 
 @dataclass
@@ -23,6 +26,12 @@ class EngineStats:
     disk_write_s: float = 0.0
     peak_host_cache_bytes: int = 0  # disk tier: most bytes the host cache ever held
     optimizer_state_bytes: int = 0  # bytes the store holds for Adam m, v and their scales
+
+    def add(self, **amounts: float) -> None:
+        """Add to counters; any thread may (two bare ``+=`` at once can lose one of them)."""
+        with _ADDING:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -1,0 +1,133 @@
+"""The module's side of the engine: where its weights are, reachable without the engine.
+
+A paged module holds placeholders and hooks, and those hold a :class:`StoredWeights`: the store, the
+blocks, where each parameter sits, and a *weak* reference to the engine that trains the module now.
+So the engine (slots, threads, gradients, optimizer state) belongs to whoever runs it, the trainer's
+strategy, and is freed with it, while the module keeps its weights: ``state_dict``, a forward (the
+placeholders then read their values from the store) and a later ``fit``, which builds a new engine on
+the same store.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from megatrain_lightning.engine import hooks
+from megatrain_lightning.engine.blocks import CallSite, bind
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.layout import Block
+
+if TYPE_CHECKING:
+    from megatrain_lightning.engine.runtime import Engine, EngineConfig
+
+
+class StoredWeights:
+    """A module's weights in a store, with the engine running the module now (if any)."""
+
+    def __init__(self, store: HostStore, blocks: list[Block], built_for: EngineConfig) -> None:
+        self.store = store
+        self.blocks = blocks
+        self.built_for = built_for  # the device and tier the store and placeholders were made for
+        # Qualified parameter name (every alias of a tied weight) -> (block, index in block).
+        self.locations: dict[str, tuple[int, int]] = {}
+        self.placeholders: list[list[nn.Parameter]] = []
+        self._engine: Callable[[], Engine | None] = lambda: None
+        self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see load_hook)
+        self._undo: list[Callable[[], None]] = []
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._engine()
+
+    def attach(self, engine: Engine) -> None:
+        self._engine = weakref.ref(engine)
+
+    def install_hooks(self) -> None:
+        self._undo = hooks.install(self)
+
+    def uninstall_hooks(self) -> None:
+        """Give the call sites back their own forwards and state-dict behaviour (parameters stay
+        placeholders: the store keeps the weights)."""
+        while self._undo:
+            self._undo.pop()()
+
+    def give_back(self, materialize: bool) -> None:
+        """Leave the module plain: its own forwards and hooks, and real parameters in place of the
+        placeholders, holding the stored weights (``materialize``) or on meta."""
+        self.uninstall_hooks()
+        for block, placeholders in zip(self.blocks, self.placeholders, strict=True):
+            if materialize:
+                values = block.views(self.store.read(block.index, "param"))
+            else:
+                values = [torch.empty(p.shape, device="meta") for p in block.params]
+            flags = [p.requires_grad for p in placeholders]
+            bind(block, [nn.Parameter(v, requires_grad=f) for v, f in zip(values, flags, strict=True)])
+        self.placeholders.clear()
+
+    def release_training_state(self) -> None:
+        """The engine that trained the module is gone: so are its gradients and optimizer state (a later
+        ``fit`` starts its moments afresh, as Lightning does), unless another engine took over already."""
+        if self.engine is None:
+            self.store.release_all_but("param")
+
+    @property
+    def guard_training_reads(self) -> bool:
+        engine = self.engine
+        return engine is not None and engine.guard_training_reads
+
+    def wait_all(self) -> None:
+        engine = self.engine
+        if engine is not None:
+            engine.wait_all()
+
+    # -- what placeholders ask (see megatrain_lightning.engine.placeholders) --
+
+    def read_param(self, block: int, index: int) -> Tensor:
+        """A copy of one parameter's current master weights (the store waits for a pending update)."""
+        with self.store.pinned(block, "param") as flat:
+            return self.blocks[block].views(flat)[index].clone()
+
+    def read_grad(self, block: int, index: int) -> Tensor | None:
+        engine = self.engine
+        return engine.read_grad(block, index) if engine is not None else None
+
+    # -- the module's forward and state-dict hooks (see megatrain_lightning.engine.hooks) --
+
+    def forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+        """A call site's call: paged by the engine, or without one plainly, the placeholders reading
+        their values from the store."""
+        engine = self.engine
+        if engine is None:
+            return forward(*args, **kwargs)
+        return engine.paged_forward(site, forward, *args, **kwargs)
+
+    def state_dict_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, meta: Any) -> None:
+        self.wait_all()
+        views = site.block.views(self.store.read(site.block.index, "param"))
+        for binding in site.bindings:
+            key = prefix + binding.name
+            if key in state:
+                state[key] = views[binding.index]
+
+    def load_hook(self, site: CallSite, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        """Copy incoming weights into the store and take their keys out of the module's hands (its
+        parameters are placeholders); a wrong shape is left for the module to report as usual."""
+        self.wait_all()
+        with self.store.rewriting(site.block.index) as flat:
+            views = site.block.views(flat)
+            for binding in site.bindings:
+                key = prefix + binding.name
+                value = state.get(key)
+                if value is not None and value.shape == views[binding.index].shape:
+                    views[binding.index].copy_(value)
+                    del state[key]
+                    self._loaded_keys.add(key)
+
+    def forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded_keys]
+        self._loaded_keys.clear()
