@@ -6,25 +6,36 @@
    loss difference and the largest absolute parameter difference. GPU kernels are not bitwise
    deterministic, so small nonzero differences are expected. Then ``"bf16-mixed"``: megatrain's
    losses must fall on a repeated batch and its store must stay fp32.
-2. ``ordering``: slot-ordering stress. Two slots, fp32 and bf16-mixed, activation checkpointing on
-   and off; each run twice from the same weights and batches, the second with the compute stream
-   delayed (``torch.cuda._sleep``) after every block's fetch, so that the copy stream runs ahead:
-   losses and weights must be bitwise equal (deterministic algorithms on). Run once by hand with the
-   pager's ``released`` wait removed, it must fail; run also under ``TORCH_CUDA_SANITIZER=1``.
-3. ``backlog``: the gradient offload with a slow host add (8 layers, accumulation 4): at most
+2. ``ordering`` (issue 18 part a): slot-ordering stress. Two slots, fp32 and bf16-mixed, activation
+   checkpointing on and off; each run twice from the same weights and batches, the second with the
+   compute stream delayed (``torch.cuda._sleep``) after every block's fetch, so that the copy stream
+   runs ahead: losses and weights must be bitwise equal (deterministic algorithms on). Run once by hand
+   with the pager's ``released`` wait removed, it must fail.
+3. ``sanitized`` (a): ``ordering`` on the small models in a child process under
+   ``TORCH_CUDA_SANITIZER=1``: no data race reported (the sanitizer sees the compute and autograd
+   threads' operations, not the workers' copies, which ``ordering``'s delays cover).
+4. ``backlog`` (b): the gradient offload with a slow host add (8 layers, accumulation 4): at most
    ``max_in_flight`` offloads and staging buffers, training equal to plain Lightning's, and the
    device's peak memory at most two blocks of gradients above the same run's without the slow add.
-4. ``pinned``: buffers of exactly 2^k bytes and just above are page-locked for their size rounded
+5. ``pinned`` (c): buffers of exactly 2^k bytes and just above are page-locked for their size rounded
    to pages (not to the next power of two): ``pinned_bytes()`` and the caching host allocator's
-   ``host_memory_stats()`` against the requested sizes; a pinned store's pinned bytes vs its size.
-5. ``stream``: the pager's achieved host->device rate (``stats.h2d_bytes`` over the wall time of
+   ``host_memory_stats()`` against the requested sizes; a pinned store's pinned bytes vs its size and
+   what it counts (``nbytes``, so ``host_bytes``); a cache arena just above 2^k pinned whole, as counted.
+6. ``profile`` (d): four steps with two slots under ``torch.profiler`` and
+   ``set_sync_debug_mode("warn")``: pinned H2D copies only on a stream other than the compute stream,
+   pinned D2H copies likewise and overlapping compute kernels, and no synchronizing call made from
+   megatrain's code in a thread other than its ``megatrain-*`` workers.
+7. ``bf16`` (e): megatrain's ``bf16-mixed`` (default budget, and two slots) against Lightning's from
+   the same weights and batches: losses within 2e-2 (bitwise on the CPU), embedding output fp32.
+8. ``stream``: the pager's achieved host->device rate (``stats.h2d_bytes`` over the wall time of
    forward-only passes of a model with a two-block budget, so the passes are transfer-bound) vs a
    raw ``copy_(non_blocking=True)`` of the same blocks from pinned memory into a device buffer.
-6. ``bench``: ``bench_engine``'s four-case step-time comparison on ``cuda`` with a bigger batch.
+9. ``bench``: ``bench_engine``'s four-case step-time comparison on ``cuda`` with a bigger batch.
 
 Without CUDA it says so and exits 0. ``--cpu`` runs every part's code path on the CPU with smaller
 models (about 2 minutes), printing SKIP with the reason for each CUDA-only assertion. Exits 1 when a
-check fails. Run as ``python benchmarks/gpu_check.py`` (``--parts ordering,backlog`` for a subset).
+check fails. Run as ``python benchmarks/gpu_check.py`` (``--parts ordering,backlog`` for a subset;
+``--small``: the CPU's model sizes on CUDA too).
 """
 
 from __future__ import annotations
@@ -33,10 +44,14 @@ import argparse
 import contextlib
 import copy
 import functools
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +61,6 @@ import torch
 from bench_engine import (
     BenchModule,
     bench_config,
-    block_bytes,
     build_model,
     close,
     compare,
@@ -65,13 +79,17 @@ from megatrain_lightning.engine import runtime
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.pager import Pager
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.presets import llama_config, tiny_config
 from megatrain_lightning.store import memory
+from megatrain_lightning.store.arena import Arena
 from megatrain_lightning.store.host import HostStore
 
 LOSS_RTOL = 1e-4  # parity: largest relative loss difference accepted
 PARAM_ATOL = 1e-3  # parity: largest absolute parameter difference accepted (an Adam step moves a weight ~lr)
 LR = 1e-3
+BF16_LOSS_ATOL = 2e-2  # bf16: largest absolute loss difference from Lightning's bf16-mixed accepted
+SMALL = False  # --small: the CPU's model sizes on CUDA too (the sanitized child)
 
 
 @dataclass
@@ -101,9 +119,11 @@ def _sync(accelerator: str) -> None:
         torch.cuda.synchronize()
 
 
-def _two_slots(model: PreTrainedModel, itemsize: int = 4, **kwargs: Any) -> MegaTrainStrategy:
-    """Megatrain with a budget of two of ``model``'s largest blocks (a hair over, against rounding)."""
-    return MegaTrainStrategy(max_vram_gb=block_bytes(model, itemsize)[1] * 2 * 1.001 / 1e9, **kwargs)
+def _two_slots(model: PreTrainedModel, precision: str = "32-true", **kwargs: Any) -> MegaTrainStrategy:
+    """Megatrain with a budget of two slots of ``model`` in ``precision`` (a hair over, against rounding)."""
+    dtype = torch.float32 if precision == "32-true" else torch.bfloat16
+    slot = SlotLayout(discover_blocks(model), dtype, mixed=precision == "bf16-mixed").nbytes
+    return MegaTrainStrategy(max_vram_gb=slot * 2 * 1.001 / 1e9, **kwargs)
 
 
 def _train(
@@ -232,25 +252,23 @@ def ordering(accelerator: str) -> list[Check]:
     """Two slots, fp32 and bf16-mixed, activation checkpointing on and off: a run with the compute stream
     delayed before every block is bitwise the undelayed run."""
     cuda = accelerator == "cuda"
-    config = (
-        tiny_config("llama", num_hidden_layers=4) if not cuda else llama_config("170m", num_hidden_layers=6)
-    )
+    large = cuda and not SMALL
+    config = llama_config("170m", num_hidden_layers=6) if large else tiny_config("llama", num_hidden_layers=4)
     model = build_model(config)
-    batches = make_batches(config.vocab_size, 3, batch=2, seq=32 if not cuda else 256)
+    batches = make_batches(config.vocab_size, 3, batch=2, seq=256 if large else 32)
     checks = []
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         for precision in ("32-true", "bf16-mixed"):
             for checkpointing in (True, False):
-                itemsize = 4 if precision == "32-true" else 2
                 ckpt = "on" if checkpointing else "off"
                 label = f"ordering: 2 slots, {precision}, activation checkpointing {ckpt}"
                 run = functools.partial(
                     _fit_weights, model, batches, accelerator=accelerator, precision=precision
                 )
                 strategy = functools.partial(
-                    _two_slots, model, itemsize, activation_checkpointing=checkpointing
+                    _two_slots, model, precision, activation_checkpointing=checkpointing
                 )
                 losses, weights, trainer = run(strategy=strategy())
                 slots = trainer.strategy.engine.pager.num_slots
@@ -405,13 +423,187 @@ def pinned(accelerator: str) -> list[Check]:
         store.read(block, "param")
     params = sum(memory.pages(store.layout(b, "param")[1] * 4) for b in range(len(store.blocks)))
     got = memory.pinned_bytes() - before
+    counted = store.nbytes("param")
     if cuda:
-        detail = f"pinned {got} bytes for {len(store.blocks)} blocks of params, {params} in whole pages"
-        checks.append(_report(Check("pinned: a pinned store's weights", got == params, detail)))
-    else:
-        checks.append(
-            _report(Check("pinned: an unpinned store pins nothing", got == 0, f"pinned {got} bytes"))
+        detail = (
+            f"pinned {got} bytes for {len(store.blocks)} blocks of params, {params} in whole pages; "
+            f"the store counts {counted}"
         )
+        checks.append(_report(Check("pinned: a pinned store's weights", got == params == counted, detail)))
+    else:
+        detail = f"pinned {got} bytes; the store counts {counted} for {params} in whole pages"
+        checks.append(_report(Check("pinned: an unpinned store pins nothing", got == 0, detail)))
+    del store
+    # The disk tier's cache: one buffer just above a power of two, page-locked whole (not rounded up).
+    before = memory.pinned_bytes()
+    arena = Arena(2**k + memory.ALIGNMENT + 1, pin_memory=cuda)
+    got, held = memory.pinned_bytes() - before, arena.held()
+    detail = f"capacity {arena.capacity} bytes, pinned {got}, counted (held) {held}"
+    if cuda:
+        ok = arena.capacity == 2**k + memory.ALIGNMENT and got == held == arena.capacity
+        checks.append(_report(Check("pinned: a cache arena just above 2^k", ok, detail)))
+    else:
+        ok = got == 0 and held == arena.used == 0
+        checks.append(_report(Check("pinned: an unpinned arena counts what it uses", ok, detail)))
+    return checks
+
+
+def sanitized(accelerator: str) -> list[Check]:
+    """The ordering part again, small, in a child process under PyTorch's CUDA sanitizer
+    (``TORCH_CUDA_SANITIZER=1`` must be set before torch starts): it reports a kernel or copy that touches
+    memory another stream writes without synchronization. It sees the compute thread's operations (and
+    autograd's, which inherits them), not the workers' copies: the delayed-stream check covers those."""
+    cuda = accelerator == "cuda"
+    command = [sys.executable, os.path.abspath(__file__), "--parts", "ordering", "--small"]
+    env = dict(os.environ)
+    if cuda:
+        env["TORCH_CUDA_SANITIZER"] = "1"
+    else:
+        command.append("--cpu")  # the sanitizer needs CUDA: the child runs the same parts without it
+    start = time.perf_counter()
+    child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    output = child.stdout + child.stderr
+    races = output.count("CSAN detected a possible data race")
+    detail = (
+        f"child exit code {child.returncode}, {races} races reported ({time.perf_counter() - start:.0f} s)"
+    )
+    if child.returncode != 0 or races:
+        detail += "; last lines: " + " | ".join(output.strip().splitlines()[-6:])
+    name = "sanitized: ordering under TORCH_CUDA_SANITIZER=1" if cuda else "sanitized: ordering in a child"
+    checks = [_report(Check(name, child.returncode == 0 and races == 0, detail))]
+    if not cuda:
+        checks.append(
+            _skip("sanitized: TORCH_CUDA_SANITIZER=1", "CUDA only (the sanitizer needs a CUDA build)")
+        )
+    return checks
+
+
+def _megatrain_syncs() -> tuple[list[str], Callable[..., None]]:
+    """A ``warnings.showwarning`` that also lists the synchronizing calls (``set_sync_debug_mode``'s
+    warnings) made from megatrain's code in threads other than its workers (named ``megatrain-*``)."""
+    found: list[str] = []
+    show = warnings.showwarning
+
+    def record(message: Any, category: Any, filename: str, lineno: int, *args: Any) -> None:
+        thread = threading.current_thread().name
+        if (
+            "synchroniz" in str(message)
+            and "megatrain_lightning" in filename
+            and not thread.startswith("megatrain")
+        ):
+            found.append(f"{os.path.basename(filename)}:{lineno} in {thread}")
+        show(message, category, filename, lineno, *args)
+
+    return found, record
+
+
+def _overlap(spans: Sequence[tuple[float, float]], others: Sequence[tuple[float, float]]) -> float:
+    """Total time of ``spans`` covered by the union of ``others`` (both lists of (start, end))."""
+    merged: list[list[float]] = []
+    for start, end in sorted(others):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return sum(max(0.0, min(e, m_end) - max(s, m_start)) for s, e in spans for m_start, m_end in merged)
+
+
+def profile(accelerator: str) -> list[Check]:
+    """Four steps (two slots, fp32) under ``torch.profiler`` with ``set_sync_debug_mode("warn")``: the
+    pager's host->device copies run on a stream of their own, the gradients' device->host copies on another
+    one, overlapping compute, and megatrain makes no synchronizing call in the compute threads."""
+    cuda = accelerator == "cuda"
+    config = (
+        tiny_config("llama", num_hidden_layers=4) if not cuda else llama_config("170m", num_hidden_layers=6)
+    )
+    model = build_model(config)
+    batches = make_batches(config.vocab_size, 4, batch=2, seq=32 if not cuda else 256)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    syncs, record = _megatrain_syncs()
+    with warnings.catch_warnings(), torch.profiler.profile(activities=activities) as prof:
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _fit_weights(model, batches, _two_slots(model), accelerator)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    checks = [_report(Check("profile: the run's trace parsed", bool(events), f"{len(events)} events"))]
+    if not cuda:
+        return [
+            *checks,
+            _skip("profile: no synchronizing call from megatrain in the compute threads", "CUDA only"),
+            _skip("profile: H2D on the copy stream, D2H on its own stream overlapping compute", "CUDA only"),
+        ]
+    detail = f"{len(syncs)} calls" + (f": {sorted(set(syncs))[:6]}" if syncs else "")
+    checks.append(
+        _report(
+            Check("profile: no synchronizing call from megatrain in the compute threads", not syncs, detail)
+        )
+    )
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    busy: dict[Any, float] = {}
+    for e in kernels:
+        busy[e["args"]["stream"]] = busy.get(e["args"]["stream"], 0.0) + e["dur"]
+    compute = max(busy, key=busy.__getitem__)
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    h2d = [e for e in copies if "HtoD" in e["name"] and "Pinned" in e["name"]]
+    d2h = [e for e in copies if "DtoH" in e["name"] and "Pinned" in e["name"]]
+    compute_spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if e["args"]["stream"] == compute]
+    d2h_spans = [(e["ts"], e["ts"] + e["dur"]) for e in d2h]
+    overlapped = _overlap(d2h_spans, compute_spans)
+    total = sum(e - s for s, e in d2h_spans)
+    h2d_on_compute = sum(e["args"]["stream"] == compute for e in h2d)
+    d2h_on_compute = sum(e["args"]["stream"] == compute for e in d2h)
+    ok = h2d and d2h and not h2d_on_compute and not d2h_on_compute and overlapped > 0
+    detail = (
+        f"compute stream {compute}; {len(h2d)} pinned H2D copies ({h2d_on_compute} on it), {len(d2h)} pinned "
+        f"D2H copies ({d2h_on_compute} on it), {overlapped / max(total, 1e-9):.0%} of D2H time overlapping "
+        "compute"
+    )
+    checks.append(
+        _report(
+            Check(
+                "profile: H2D on the copy stream, D2H on its own stream overlapping compute", bool(ok), detail
+            )
+        )
+    )
+    return checks
+
+
+def bf16(accelerator: str) -> list[Check]:
+    """bf16-mixed against Lightning's bf16-mixed from the same weights and batches: loss curves within
+    ``BF16_LOSS_ATOL`` (bitwise on the CPU) and the embedding's output, the residual stream, fp32."""
+    cuda = accelerator == "cuda"
+    config = tiny_config("llama") if not cuda else llama_config("170m", num_hidden_layers=4)
+    model = build_model(config)
+    batches = make_batches(config.vocab_size, 8, batch=2, seq=32 if not cuda else 256)
+    embedded: list[torch.dtype] = []  # the hook travels with every copy of the model
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(out.dtype))
+    plain_losses, _, _ = _fit_weights(model, batches, "auto", accelerator, "bf16-mixed")
+    plain_dtypes = set(embedded)
+    checks = []
+    for label, strategy in (("default budget", "megatrain"), ("2 slots", _two_slots(model, "bf16-mixed"))):
+        embedded.clear()
+        losses, _, _ = _fit_weights(model, batches, strategy, accelerator, "bf16-mixed")
+        diff = max(abs(a - b) for a, b in zip(losses, plain_losses, strict=True))
+        dtypes = set(embedded)
+        ok = diff <= BF16_LOSS_ATOL and dtypes == plain_dtypes == {torch.float32}
+        names = [sorted(str(d) for d in found) for found in (dtypes, plain_dtypes)]
+        detail = (
+            f"max loss diff {diff:.3g} over {len(losses)} steps ({plain_losses[0]:.4f} -> "
+            f"{plain_losses[-1]:.4f}); embedding output {names[0]} (Lightning's {names[1]})"
+        )
+        checks.append(_report(Check(f"bf16: megatrain ({label}) vs Lightning's bf16-mixed", ok, detail)))
     return checks
 
 
@@ -466,7 +658,7 @@ def pager_pass(
 ) -> PagerPass:
     """Run ``passes`` predict batches of ``config``'s model under megatrain with a two-block budget."""
     model = build_model(config)
-    strategy = _two_slots(model, itemsize=4 if precision == "32-true" else 2)
+    strategy = _two_slots(model, precision)
     timer = PassTimer(accelerator)
     trainer = L.Trainer(strategy=strategy, callbacks=[timer], **trainer_kwargs(accelerator, precision))
     batches = make_batches(config.vocab_size, passes, batch=1, seq=seq)
@@ -524,8 +716,11 @@ def bench(accelerator: str, steps: int = 4, batch: int = 8, seq: int = 512) -> l
 PARTS: dict[str, Callable[[str], list[Check]]] = {
     "parity": parity,
     "ordering": ordering,
+    "sanitized": sanitized,
     "backlog": backlog,
     "pinned": pinned,
+    "profile": profile,
+    "bf16": bf16,
     "stream": stream,
     "bench": bench,
 }
@@ -534,12 +729,15 @@ PARTS: dict[str, Callable[[str], list[Check]]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {list(PARTS)}")
+    parser.add_argument("--small", action="store_true", help="the CPU's model sizes on CUDA too")
     parser.add_argument(
         "--cpu",
         action="store_true",
         help="run every part's code path on the CPU, smaller (to test this script)",
     )
     args = parser.parse_args(argv)
+    global SMALL
+    SMALL = args.small
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}")

@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
+from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.store import sizing
@@ -19,6 +20,7 @@ from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_disk_space,
+    check_host_ram,
     missing_dirs,
     prepare_offload_dir,
     remove_empty_dirs,
@@ -49,9 +51,10 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     Options left to ``None``/``"auto"`` take the planner's settings for this machine. Also returns the
     folders created for ``offload_dir`` (removed with the store)."""
     dtype = strategy.precision_plugin.compute_dtype
-    auto = _plan(strategy, blocks, dtype)
+    mixed = strategy.precision_plugin.precision == "bf16-mixed"
+    auto = _plan(strategy, blocks, dtype, mixed)
     if strategy.max_vram_gb is not None:
-        num_slots = sizing.num_slots_for(strategy.max_vram_gb, blocks, dtype.itemsize)
+        num_slots = sizing.num_slots_for(strategy.max_vram_gb, SlotLayout(blocks, dtype, mixed).nbytes)
     else:
         num_slots = auto.num_slots if auto is not None else len(blocks)
     num_slots = max(1, min(num_slots, len(blocks)))
@@ -60,6 +63,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     config = EngineConfig(
         device=strategy.root_device,
         compute_dtype=dtype,
+        mixed_precision=mixed,
         num_slots=num_slots,
         prefetch_depth=max(num_slots - 1, 1) if auto_prefetch else strategy.prefetch_depth,
         activation_checkpointing=strategy.activation_checkpointing,
@@ -72,12 +76,15 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     return config, created
 
 
-def _plan(strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype) -> Settings | None:
+def _plan(
+    strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype, mixed: bool
+) -> Settings | None:
     """The planner's settings for this model on this machine (``megatrain plan`` prints the same)."""
     found = hf_model(strategy.lightning_module)
     if found is None:
         return None
-    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config)
+    fp32_numels = mixed_fp32_numels(blocks) if mixed else ()
+    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config, fp32_numels)
     workload = Workload(
         compute_dtype="fp32" if dtype == torch.float32 else "bf16",
         activation_checkpointing=strategy.activation_checkpointing,
@@ -107,6 +114,8 @@ def _disk_tier(
         cache = sizing.cache_bytes_for(
             blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel, cuda
         )
+        if cuda:  # the cache and the offload's staging are page-locked
+            check_host_ram(cache / _GB, sizing.staging_bytes(max(b.numel for b in blocks)))
     except BaseException:
         remove_empty_dirs(created)  # a refused run leaves no empty folder behind
         raise

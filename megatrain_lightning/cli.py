@@ -25,14 +25,8 @@ from typing_extensions import override
 import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
-from megatrain_lightning.planner.plan import (
-    COMPRESSIONS,
-    DTYPE_BYTES,
-    Machine,
-    Workload,
-    format_plan,
-    plan_for,
-)
+from megatrain_lightning.planner.plan import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, plan_for
+from megatrain_lightning.planner.table import format_plan
 from megatrain_lightning.serialization.checkpoint import CheckpointError, convert_checkpoint
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.telemetry.monitor import with_progress_bar

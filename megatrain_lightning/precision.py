@@ -1,4 +1,5 @@
-"""Precision for megatrain: master weights always fp32 in the store; slots in the compute dtype."""
+"""Precision for megatrain: master weights always fp32 in the store; slots in the compute dtype (per
+parameter: ``engine/slots.py``)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class MegaTrainPrecision(Precision):
-    """``"32-true"``: fp32 slots. ``"bf16-mixed"``: bf16 slots under autocast (ops that autocast keeps in
-    fp32 stay fp32). ``"bf16-true"``: bf16 slots, activations and buffers. Gradients are summed and the
-    optimizer runs in fp32 on the host in every case.
+    """``"32-true"``: fp32 slots. ``"bf16-mixed"``: under autocast, with bf16 slots for the weights autocast
+    casts and fp32 ones for embeddings and one-dimensional parameters (``engine/slots.py``), as Lightning's
+    ``bf16-mixed`` computes. ``"bf16-true"``: bf16 slots, activations and buffers. Gradients are summed
+    and the optimizer runs in fp32 on the host in every case.
     """
 
     def __init__(self, precision: _PRECISION = "32-true", device: str | None = None) -> None:

@@ -21,6 +21,7 @@ from megatrain_lightning.store.disk import STORE_DIRNAME, DiskStore
 from megatrain_lightning.store.io import BlockFile, StoreIOError
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import ALIGNMENT
+from megatrain_lightning.store.preflight import check_host_ram
 
 CASES = [
     # arch, activation checkpointing, accumulate_grad_batches, gradient clipping
@@ -116,6 +117,10 @@ def test_max_cpu_gb_above_available_ram(monkeypatch):
     monkeypatch.setattr("megatrain_lightning.store.preflight.available_ram_bytes", lambda: 1 << 30)
     with pytest.raises(MisconfigurationException, match="RAM available"):
         MegaTrainStrategy(max_cpu_gb=2)
+    # On CUDA the gradient offload's staging is page-locked beside the cache: counted too.
+    check_host_ram(1.0, staging_bytes=0)
+    with pytest.raises(MisconfigurationException, match="plus 0.10 GB of gradient staging"):
+        check_host_ram(1.0, staging_bytes=100_000_000)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])

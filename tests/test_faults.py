@@ -22,6 +22,7 @@ from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.runtime import Engine
 from megatrain_lightning.optim.rebuild import cpu_adamw_from
+from megatrain_lightning.optim.updates import UpdateQueue
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.io import BlockFile
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -272,3 +273,33 @@ def test_a_failing_announcement_resolves_the_block_future(model, monkeypatch):
         engine.weights.read_param(0, 0)  # the store's readers do not wait forever either
     optimizer.close()  # already raised: not raised again
     engine.close()
+
+
+def test_wait_for_room_reads_the_pending_updates_under_the_lock():
+    """The offload thread (CUDA) submits updates while the backward pass looks for room: that look must
+    hold the queue's lock, or the dict changes size under it. The submitter is made to strike in the
+    middle of the look; under the lock it waits until the look is over."""
+    queue, gate = UpdateQueue(threads=1, stats=EngineStats()), threading.Event()
+    for block in range(queue.max_queued + 1):  # pending (held at the gate), more than max_queued
+        queue.submit(block, lambda future: None, functools.partial(gate.wait, 10))
+    submitter = threading.Thread(target=queue.submit, args=(99, lambda future: None, lambda: None))
+    struck = []
+
+    class Racing(dict):
+        def values(self):
+            values = iter(dict.values(self))
+            yield next(values)
+            if not submitter.is_alive() and not struck:  # once, in the first look
+                submitter.start()
+                submitter.join(0.2)  # under the lock it cannot insert before the look is over
+                struck.append(not submitter.is_alive())
+            yield from values
+
+    queue._pending = Racing(queue._pending)
+    threading.Timer(0.3, gate.set).start()  # room appears once the held updates run
+    queue.wait_for_room()
+    assert struck == [False], "the submitter changed the pending updates during the look"
+    submitter.join(10)
+    queue.wait_all()
+    assert queue.submitted(99)
+    queue.close()

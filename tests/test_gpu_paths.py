@@ -21,10 +21,12 @@ from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.serialization.checkpoint import CheckpointDir
 from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.memory import pages
 from megatrain_lightning.telemetry.stats import EngineStats
 
 STEPS = 3
 MAX_IN_FLIGHT = 2  # HostGrads' default
+KINDS = ("param", "grad", "exp_avg", "exp_avg_sq")
 SLOW_ADD_S = 0.02  # the injected host add: far slower than a tiny block's backward
 
 
@@ -91,6 +93,11 @@ def test_offload_backlog_is_bounded_and_trains_exactly(model, plain, monkeypatch
     assert backlog.peak == MAX_IN_FLIGHT, f"{backlog.peak} offloads in flight at once"
     assert 1 <= backlog.staging <= MAX_IN_FLIGHT, f"{backlog.staging} staging buffers"
     assert run.trainer.strategy.stats.offload_wait_s > 0
+    # host_bytes counts what is held (whole pages: pinned for exactly those on CUDA), staging included.
+    store = run.trainer.strategy.engine.store
+    held = sum(pages(store.layout(b, k)[1] * 4) for b in range(len(store.blocks)) for k in KINDS)
+    staging = backlog.staging * pages(4 * max(b.numel for b in store.blocks))
+    assert store.nbytes() == held and run.trainer.strategy.stats.host_bytes == held + staging
     monkeypatch.undo()
     assert_same_training(plain, run)
 
@@ -122,6 +129,35 @@ def test_offload_keeps_no_reference_to_the_gradients(model, monkeypatch):
     for block, grad in expected.items():
         assert torch.equal(blocks[block].views(grads.store.read(block, "grad"))[0], grad)
     grads.close()
+
+
+def test_pageable_staging_is_copied_by_the_worker(model, plain, monkeypatch):
+    """Where page-locking failed, a device-to-host copy into the pageable staging buffer would block the
+    compute thread until the device caught up: the worker copies instead, holding the gradients until
+    then; the training is unchanged. (On the CPU every staging buffer is pageable: forced here.)"""
+    monkeypatch.setattr(HostGrads, "_worker_copies", lambda self, staging: True)
+    blocks = discover_blocks(copy.deepcopy(model))
+    grads = HostGrads(HostStore(blocks), torch.device("cpu"), EngineStats(), asynchronous=True)
+    taken, take = [], HostGrads._take_staging
+    monkeypatch.setattr(HostGrads, "_take_staging", lambda self: taken.append(take(self)) or taken[-1])
+    gate = threading.Event()
+    grads._worker.submit(gate.wait, 10)  # the worker is busy: what happens before it runs is this thread's
+    grad = torch.full(blocks[0].params[0].shape, 3.0)
+    alive = weakref.ref(grad)
+    grads.offload(0, {0: grad}, final=True, then=lambda: None)
+    del grad
+    gc.collect()
+    assert alive() is not None, "the gradient must stay alive until the worker has copied it"
+    assert not taken[0].any(), "the compute thread copied into pageable staging"
+    gate.set()
+    grads.flush()
+    assert alive() is None
+    assert torch.equal(
+        blocks[0].views(grads.store.read(0, "grad"))[0], torch.full(blocks[0].params[0].shape, 3.0)
+    )
+    grads.close()
+    monkeypatch.setattr(engine_module, "HostGrads", functools.partial(HostGrads, asynchronous=True))
+    assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=STEPS, accumulate_grad_batches=2))
 
 
 def test_checkpoint_saves_and_restores_the_cuda_rng_state(model, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from torch import nn
 
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.pager import Pager
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import Trace, UpdateCadence
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -27,14 +28,15 @@ def _pager(num_slots: int, depth: int = 0, blocks: int = 3) -> Pager:
     store = HostStore(discover_blocks(net, block_classes=[Layer]))
     for b in range(blocks):
         store.read(b, "param").fill_(b)
-    return Pager(store, torch.device("cpu"), torch.float32, num_slots, depth, EngineStats())
+    layout = SlotLayout(store.blocks, torch.float32)
+    return Pager(store, torch.device("cpu"), layout, num_slots, depth, EngineStats())
 
 
 def _run_pass(pager: Pager, order: list[int]) -> list[float]:
     pager.begin_pass("train")
     seen = []
     for block in order:
-        seen.append(pager.acquire(block, backward=False)[0].item())
+        seen.append(pager.layout.view(block, 0, pager.acquire(block, backward=False))[0, 0].item())
         pager.release(block)
     return seen
 

@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.planner.plan import Machine, format_plan, plan_for
+from megatrain_lightning.planner.plan import Machine, plan_for
+from megatrain_lightning.planner.table import format_plan
 from megatrain_lightning.presets import tiny_config
 from megatrain_lightning.store import sizing
 

@@ -67,9 +67,10 @@ def test_weights_move_into_the_store_and_the_originals_are_freed():
     numel = sum(p.numel() for p in params)
     padding = 4 * 256 * len(params)  # each parameter starts on a 256-element boundary
     stats = trainer.strategy.stats
-    assert 4 * numel <= trainer.strategy.engine.store.nbytes("param") <= 4 * numel + padding
+    pages = 4096 * len(trainer.strategy.engine.blocks)  # each buffer is whole pages
+    assert 4 * numel <= trainer.strategy.engine.store.nbytes("param") <= 4 * numel + padding + pages
     # store: master + grad + exp_avg + exp_avg_sq = 16 bytes per parameter
-    assert 16 * numel <= stats.host_bytes <= 4 * (4 * numel + padding)
+    assert 16 * numel <= stats.host_bytes <= 4 * (4 * numel + padding + pages)
     assert stats.peak_slot_bytes > 0 and stats.fetch_wait_s >= 0
 
 
@@ -118,7 +119,7 @@ def test_validate_test_and_predict_run_paged_and_match_plain():
 def test_bf16_mixed_trains_with_fp32_masters():
     run = fit(tiny_model("llama"), "megatrain", steps=40, lr=3e-3, precision="bf16-mixed", batch_size=4)
     engine = run.trainer.strategy.engine
-    assert engine.pager.dtype == torch.bfloat16
+    assert engine.pager.layout.compute_dtype == torch.bfloat16
     assert all(
         engine.store.read(b.index, kind).dtype == torch.float32
         for b in engine.blocks

@@ -24,6 +24,7 @@ from torch import Tensor
 from megatrain_lightning.engine.futures import fresh_copy
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.memory import host_empty
+from megatrain_lightning.store.sizing import STAGING_BUFFERS
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
@@ -41,7 +42,7 @@ class HostGrads:
         device: torch.device,
         stats: EngineStats,
         asynchronous: bool | None = None,
-        max_in_flight: int = 2,
+        max_in_flight: int = STAGING_BUFFERS,
     ) -> None:
         self.store = store
         self.stats = stats
@@ -55,7 +56,8 @@ class HostGrads:
         # One permit per staging buffer: taken before the copy, given back after the host add.
         self.max_in_flight = max_in_flight
         self._room = threading.BoundedSemaphore(max_in_flight)
-        self._staging: dict[torch.dtype, list[Tensor]] = {}  # free buffers (at most max_in_flight per dtype)
+        self._staging: list[Tensor] = []  # free byte buffers (at most max_in_flight)
+        self.staging_bytes = 0  # allocated so far (page-locked on CUDA)
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
@@ -84,14 +86,14 @@ class HostGrads:
         self._room.acquire()  # back-pressure: waits while max_in_flight host adds are behind
         self.stats.add(offload_wait_s=time.perf_counter() - start)
         try:
-            staging = self._take_staging(next(iter(grads.values())).dtype)
+            staging = self._take_staging()
         except BaseException:
             self._room.release()
             raise
         try:
-            on_host, copied = self._copy_out(block, grads, staging)
+            on_host, copied, late = self._copy_out(block, grads, staging)
             self._pending.append(
-                self._worker.submit(self._finish, block, on_host, final, then, staging, copied)
+                self._worker.submit(self._finish, block, on_host, final, then, staging, copied, late)
             )
         except BaseException:
             self._give_back(staging)
@@ -99,18 +101,28 @@ class HostGrads:
 
     def _copy_out(
         self, block: int, grads: dict[int, Tensor], staging: Tensor
-    ) -> tuple[dict[int, Tensor], torch.cuda.Event | None]:
+    ) -> tuple[dict[int, Tensor], torch.cuda.Event | None, dict[int, Tensor] | None]:
         """Copy ``grads`` into ``staging`` (on CUDA: queued on the offload stream, with the event the worker
-        waits for); return the host views by parameter index."""
+        waits for); return the host views by parameter index, the event and the gradients left for the
+        worker to copy. Each gradient keeps its dtype (fp32 or the compute dtype, as its slot parameter), at
+        its parameter's fp32 place in the staging bytes."""
         params = self.store.blocks[block].params
-        on_host = {
-            i: staging[params[i].offset : params[i].offset + params[i].numel].view(params[i].shape)
-            for i in grads
-        }
+        on_host = {}
+        for i, grad in grads.items():
+            start = params[i].offset * 4
+            on_host[i] = staging[start : start + grad.nbytes].view(grad.dtype).view(params[i].shape)
+        if self._worker_copies(staging):
+            # Page-locking failed: a copy into pageable memory returns only once done, so this thread would
+            # wait for the device. The worker copies once the gradients exist, holding them until then.
+            computed = None
+            if self._stream is not None:
+                computed = torch.cuda.Event(blocking=True)
+                computed.record(torch.cuda.current_stream(self.device))
+            return on_host, computed, dict(grads)
         if self._stream is None:
             for index, grad in grads.items():
                 on_host[index].copy_(grad)
-            return on_host, None
+            return on_host, None, None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for index, grad in grads.items():
@@ -120,7 +132,7 @@ class HostGrads:
                 grad.record_stream(self._stream)
             copied = torch.cuda.Event(blocking=True)  # the worker sleeps on it instead of spinning
             copied.record(self._stream)
-        return on_host, copied
+        return on_host, copied, None
 
     def flush(self) -> None:
         """Wait until every offload issued so far has been added to the accumulation buffers; raise the
@@ -145,6 +157,10 @@ class HostGrads:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
+    def _worker_copies(self, staging: Tensor) -> bool:
+        """Whether the worker, not the compute thread, copies into ``staging``: on CUDA if it is pageable."""
+        return self._stream is not None and not staging.is_pinned()
+
     def _finish(
         self,
         block: int,
@@ -153,18 +169,25 @@ class HostGrads:
         then: Callable[[], None],
         staging: Tensor,
         copied: torch.cuda.Event | None,
+        late: dict[int, Tensor] | None,
     ) -> None:
-        """In the worker: once the device-to-host copy (if any) is done, add the gradients, then ``then``."""
+        """In the worker: once the device-to-host copy (if any) is done, or ``late`` is copied, add the
+        gradients, then ``then``."""
         try:
             if copied is not None:
                 copied.synchronize()
+            if late is not None:
+                with torch.cuda.stream(self._stream):  # no stream on the CPU: a no-op
+                    for index, grad in late.items():
+                        on_host[index].copy_(grad)
+                late.clear()  # the device memory goes back to the allocator now
             self._accumulate(block, on_host, final)
         finally:
             self._give_back(staging)
         then()
 
     def _give_back(self, staging: Tensor) -> None:
-        self._staging[staging.dtype].append(staging)
+        self._staging.append(staging)
         self._room.release()
 
     def _accumulate(self, block: int, grads: dict[int, Tensor], final: bool) -> None:
@@ -224,9 +247,11 @@ class HostGrads:
         else:
             dst.copy_(src)
 
-    def _take_staging(self, dtype: torch.dtype) -> Tensor:
-        pool = self._staging.setdefault(dtype, [])
-        if pool:
-            return pool.pop()
-        numel = max(b.numel for b in self.store.blocks)
-        return host_empty(numel, dtype, self.store.pin_memory)
+    def _take_staging(self) -> Tensor:
+        """A free staging buffer: the largest block's bytes in fp32 (a block's gradients may mix dtypes)."""
+        if self._staging:
+            return self._staging.pop()
+        nbytes = max(b.numel for b in self.store.blocks) * 4
+        staging = host_empty(nbytes, torch.uint8, self.store.pin_memory)
+        self.staging_bytes += staging.untyped_storage().nbytes()
+        return staging

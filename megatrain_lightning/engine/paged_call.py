@@ -41,7 +41,7 @@ class Call:
     def run(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
         flat = list(self.flat)
         for i, t in zip(self.positions, tensors, strict=True):
-            flat[i] = t
+            flat[i] = _as_non_leaf(t)
         args, kwargs = tree_unflatten(flat, self.spec)
         out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
         self.out_positions = [i for i, leaf in enumerate(out_flat) if isinstance(leaf, Tensor)]
@@ -53,6 +53,17 @@ class Call:
         for i, t in zip(self.out_positions, tensors, strict=True):
             flat[i] = t
         return tree_unflatten(flat, self.out_spec)
+
+
+def _as_non_leaf(t: Tensor) -> Tensor:
+    """The block's input as the block sees it. Our inputs are leaves (detached from the previous block), and
+    autocast casts a leaf that requires grad once and reuses the cast (as it does for weights), so several
+    consumers' gradients would be summed in bf16 before the cast's backward; under plain PyTorch the input
+    is the previous block's output, cast anew at each use, its gradients summed in fp32. A view is cast
+    anew too."""
+    if t.is_leaf and t.requires_grad and torch.is_autocast_enabled(t.device.type):
+        return t.view_as(t)
+    return t
 
 
 def off_slot(value: Any, slot: Tensor) -> Any:
@@ -77,6 +88,7 @@ class _SlotRef:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    dtype: torch.dtype
 
 
 class PagedCall(torch.autograd.Function):
@@ -106,12 +118,14 @@ class PagedCall(torch.autograd.Function):
 
                 def pack(t: Tensor) -> Any:
                     if t.device == slot.device and t.untyped_storage().data_ptr() == slot_storage:
-                        return _SlotRef(t.size(), t.stride(), t.storage_offset())
+                        return _SlotRef(t.size(), t.stride(), t.storage_offset(), t.dtype)
                     return t
 
                 def unpack(saved: Any) -> Tensor:
                     if isinstance(saved, _SlotRef):
-                        return holder[0].as_strided(saved.size, saved.stride, saved.offset)
+                        # The slot is a byte buffer; the offset counts elements of the saved dtype.
+                        slot = holder[0].view(saved.dtype)
+                        return slot.as_strided(saved.size, saved.stride, saved.offset)
                     return saved
 
                 with (

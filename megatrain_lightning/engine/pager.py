@@ -1,6 +1,6 @@
 """The pager: a fixed pool of device slots that blocks are copied into while they are needed.
 
-A slot holds one block's parameters in the compute dtype. ``acquire`` makes a block resident
+A slot holds a block's parameters, each in its dtype (:mod:`.slots`). ``acquire`` makes a block resident
 and pins it; ``release`` unpins it, but the copy stays cached until a slot is needed for
 another block or the block's weights change: each copy remembers the store's ``version`` of its
 block, and a copy whose version the store has moved on is stale (the pager asks the store; no one
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from megatrain_lightning.engine.futures import result_of
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import Trace
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -63,19 +64,20 @@ class Pager:
         self,
         store: HostStore,
         device: torch.device,
-        dtype: torch.dtype,
+        layout: SlotLayout,
         num_slots: int,
         prefetch_depth: int,
         stats: EngineStats,
     ) -> None:
         self.store = store
         self.device = device
-        self.dtype = dtype
+        self.layout = layout
         self.prefetch_depth = prefetch_depth
         self.trace = Trace()
         self.stats = stats
-        slot_numel = max(b.numel for b in store.blocks)
-        self._slots = [_Slot(torch.empty(slot_numel, dtype=dtype, device=device)) for _ in range(num_slots)]
+        self._slots = [
+            _Slot(torch.empty(layout.nbytes, dtype=torch.uint8, device=device)) for _ in range(num_slots)
+        ]
         self._resident: dict[int, _Slot] = {}
         self._cond = threading.Condition()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -94,7 +96,7 @@ class Pager:
             self.trace.begin_pass(kind)
 
     def acquire(self, block: int, backward: bool) -> Tensor:
-        """Make ``block`` resident, pin it and return its slot (flat, ``block.numel`` long)."""
+        """Make ``block`` resident, pin it and return its slot (bytes; ``layout.view`` finds a parameter)."""
         start = time.perf_counter()
         with self._cond:
             self.trace.access((block, backward))
@@ -118,7 +120,7 @@ class Pager:
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
         self.stats.add(fetch_wait_s=time.perf_counter() - start)
-        return slot.buf[: self.store.blocks[block].numel]
+        return slot.buf
 
     def release(self, block: int) -> None:
         with self._cond:
@@ -206,7 +208,7 @@ class Pager:
             self._settle(slot, block, err, forget=True)
             return
         slot.ready.set_result(None)
-        finish(self._finish_load, slot, block, unpin, start, self.store.blocks[block].numel * 4)
+        finish(self._finish_load, slot, block, unpin, start, self.layout.block_bytes[block])
 
     def _copy_chunks(self, slot: _Slot, block: int, unpin: contextlib.ExitStack) -> None:
         """Copy ``block``'s master weights into ``slot`` one store chunk at a time, each pinned only while a
@@ -214,18 +216,18 @@ class Pager:
         those still in flight are left to ``unpin``."""
         in_flight: collections.deque[tuple[torch.cuda.Event, contextlib.ExitStack]] = collections.deque()
         unpin.callback(lambda: [pin.close() for _, pin in in_flight])
-        for lo, hi in self.store.spans(block):
+        for span in self.store.spans(block):
             if self._copy_stream is None:
-                with self.store.pinned(block, "param", span=(lo, hi)) as src:
-                    slot.buf[lo:hi].copy_(src)
+                with self.store.pinned(block, "param", span=span) as src:
+                    self.layout.copy_in(block, src, slot.buf, span=span)
                 continue
             copied, pin = torch.cuda.Event(blocking=True), contextlib.ExitStack()
             in_flight.append((copied, pin))
-            src = pin.enter_context(self.store.pinned(block, "param", span=(lo, hi)))
+            src = pin.enter_context(self.store.pinned(block, "param", span=span))
             with torch.cuda.stream(self._copy_stream):
-                if lo == 0:
+                if span[0] == 0:
                     self._copy_stream.wait_event(slot.released)
-                slot.buf[lo:hi].copy_(src, non_blocking=True)
+                self.layout.copy_in(block, src, slot.buf, non_blocking=True, span=span)
                 copied.record(self._copy_stream)
             if len(in_flight) > _CHUNKS_IN_FLIGHT:
                 event, done = in_flight.popleft()
@@ -270,8 +272,8 @@ class Pager:
             self._cond.notify_all()
 
     def _note_peak(self) -> None:
-        held = sum(self.store.blocks[s.block].numel for s in self._slots if s.block is not None)
-        self.stats.peak_slot_bytes = max(self.stats.peak_slot_bytes, held * self.dtype.itemsize)
+        held = sum(self.layout.block_bytes[s.block] for s in self._slots if s.block is not None)
+        self.stats.peak_slot_bytes = max(self.stats.peak_slot_bytes, held)
 
 
 def _call(function: Callable[..., object], *args: object) -> None:

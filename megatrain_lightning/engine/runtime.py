@@ -52,6 +52,7 @@ from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import UpdateCadence
 from megatrain_lightning.engine.weights import StoredWeights
 from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
+    mixed_precision: bool = False  # bf16-mixed: bf16 slots only for what autocast casts (engine/slots.py)
     num_slots: int = 2
     prefetch_depth: int = 1
     activation_checkpointing: bool = True
@@ -171,7 +173,7 @@ class Engine:
         return Pager(
             self.store,
             config.device,
-            config.compute_dtype,
+            SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision),
             config.num_slots,
             config.prefetch_depth,
             self.stats,
@@ -305,7 +307,7 @@ class Engine:
         self.store.forget_read_failures()
 
     def update_host_bytes(self) -> None:
-        self.stats.host_bytes = self.store.nbytes()
+        self.stats.host_bytes = self.store.nbytes() + self.grads.staging_bytes
 
     def _access_kinds(self, backward: bool, next_pass: bool) -> tuple[str, ...]:
         """What an access uses from the store: weights; in backward also the gradient accumulator and,
@@ -358,8 +360,7 @@ class Engine:
             self._hint_store()
             tensors = {}
             for index in site.param_indices:
-                p = block.params[index]
-                view = slot[p.offset : p.offset + p.numel].view(p.shape)
+                view = self.pager.layout.view(block.index, index, slot)
                 tensors[index] = (
                     view.detach().requires_grad_(placeholders[index].requires_grad) if grad else view
                 )

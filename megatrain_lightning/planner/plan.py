@@ -15,15 +15,18 @@ where the megatrain store is 4 B/param of fp32 master weights plus the Adam stat
 2 + 4/256 + 4/128 (int8: m in blocks of 256, v in blocks of 128, one fp32 scale per block) or
 1 + 8/128 (int4: m and v in blocks of 128) B/param. The host tier is chosen when the store and
 the gradient buffer fit in RAM; otherwise both live on disk (as the strategy lays them out) and
-the RAM caches them, at least the blocks in use. Activations assume per-block checkpointing
-(block-boundary hidden states, one block's full activations for the recompute, and the logits)
-unless the workload turns it off; attention is assumed memory-efficient (no seq x seq scores).
+the RAM caches them, at least the blocks in use. Beside either, the gradient offload pins two
+staging buffers of the largest block in fp32. A slot holds the largest block on the device, in the
+compute dtype except what stays fp32 under mixed precision (embeddings, norms, biases).
+Activations assume per-block checkpointing (block-boundary hidden states, one block's full
+activations for the recompute, and the logits) unless the workload turns it off; attention is
+assumed memory-efficient (no seq x seq scores).
 
 The step-time lower bound is the largest of compute (6 x params x tokens / FLOP/s), link
 transfer (weights in for forward and backward in the compute dtype, fp32 gradients out, per
 micro-batch) and, on the disk tier, reading and writing the uncached part of the store once.
-:func:`plan_for` is what the strategy calls to resolve ``"auto"`` options; :func:`format_plan`
-prints the table of ``megatrain plan``.
+:func:`plan_for` is what the strategy calls to resolve ``"auto"`` options;
+:func:`megatrain_lightning.planner.table.format_plan` prints the table of ``megatrain plan``.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.slots import mixed_fp32_numels
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
-from megatrain_lightning.store.sizing import STATE_BYTES, min_cache_bytes
+from megatrain_lightning.store.sizing import STATE_BYTES, min_cache_bytes, staging_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -65,6 +69,9 @@ class ModelShape:
     mlp_width: int  # per token: the MLP's intermediate width (times the active experts for MoE)
     num_layers: int
     vocab_size: int
+    # Per block, the elements that stay fp32 on the device under mixed precision (embeddings, norms,
+    # biases: engine/slots.py); empty: none.
+    fp32_numels: tuple[int, ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -78,6 +85,13 @@ class ModelShape:
     def num_blocks(self) -> int:
         return len(self.block_numels)
 
+    def slot_bytes(self, dtype_bytes: int) -> int:
+        """One device slot in a compute dtype of ``dtype_bytes``: the largest block on the device, its
+        fp32-kept parameters in fp32 when that dtype is narrower."""
+        kept = self.fp32_numels or (0,) * self.num_blocks
+        wide = max(dtype_bytes, int(MASTER_BYTES))
+        return max((n - k) * dtype_bytes + k * wide for n, k in zip(self.block_numels, kept, strict=True))
+
     @classmethod
     def from_module(cls, model: nn.Module, block_classes: Iterable[str | type] | None = None) -> ModelShape:
         """Blocks as the engine pages them (padding included); sizes from the Hugging Face config inside."""
@@ -88,7 +102,7 @@ class ModelShape:
         if config is None:
             raise ValueError(f"{type(model).__name__} holds no Hugging Face config to plan activations from")
         blocks = discover_blocks(model, block_classes)
-        return cls.from_blocks([b.numel for b in blocks], config)
+        return cls.from_blocks([b.numel for b in blocks], config, mixed_fp32_numels(blocks))
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelShape:
@@ -98,9 +112,11 @@ class ModelShape:
         return cls.from_module(model)
 
     @classmethod
-    def from_blocks(cls, block_numels: Sequence[int], config: PretrainedConfig) -> ModelShape:
-        """From the engine's blocks (``[b.numel for b in blocks]``) and the model's (text) config; widths
-        given per layer (Gemma-3n, Gemma-4) count at their largest."""
+    def from_blocks(
+        cls, block_numels: Sequence[int], config: PretrainedConfig, fp32_numels: Sequence[int] = ()
+    ) -> ModelShape:
+        """From the engine's blocks (``[b.numel for b in blocks]``, and ``mixed_fp32_numels(blocks)``) and
+        the model's (text) config; widths given per layer (Gemma-3n, Gemma-4) count at their largest."""
         config = config.get_text_config()
         hidden = config.hidden_size
         experts = _largest(getattr(config, "num_experts_per_tok", None)) or 1
@@ -113,7 +129,14 @@ class ModelShape:
                 or _largest(getattr(config, "n_inner", None))
                 or 4 * hidden
             ) * experts
-        return cls(tuple(block_numels), hidden, width, config.num_hidden_layers, config.vocab_size)
+        return cls(
+            tuple(block_numels),
+            hidden,
+            width,
+            config.num_hidden_layers,
+            config.vocab_size,
+            tuple(fp32_numels),
+        )
 
 
 def _largest(value: int | Sequence[int] | None) -> int | None:
@@ -270,7 +293,7 @@ def plan_for(
     # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch.
     link_s = (1 + workload.micro_batches) * cd * n / (machine.pcie_gbps * GB)
     rows.append(_row("ZeRO-Offload", gpu, host, 0.0, gpu <= vram and host <= ram, compute_s, link_s, 0.0))
-    slot = shape.largest_block * cd
+    slot = shape.slot_bytes(cd)
     for name in COMPRESSIONS:
         rows.append(_megatrain_row(name, shape, workload, machine, act, slot, compute_s, vram, ram, disk))
     return Plan(shape, machine, workload, act / GB, slot / GB, tuple(rows), compression)
@@ -290,17 +313,18 @@ def _megatrain_row(
 ) -> Row:
     n = shape.num_params
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
+    staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
     num_slots = min(max(int((vram - act) // slot), 0), shape.num_blocks)
     gpu_need = MIN_SLOTS * slot + act
-    if store <= ram:
-        tier, cache, host_need, disk_need = "host", store, store, 0.0
+    if store + staging <= ram:
+        tier, cache, host_need, disk_need = "host", store, store + staging, 0.0
     else:
         tier, disk_need = "disk", store
-        cache = min(ram, store)
-        host_need = min_cache_bytes(shape.largest_block)  # the store chunks in use at once
+        cache = max(min(ram - staging, store), 0.0)
+        host_need = min_cache_bytes(shape.largest_block) + staging  # the store chunks in use at once
     fits = num_slots >= 1 and gpu_need <= vram and host_need <= ram and disk_need <= disk
     # What the chosen settings use; where they do not fit, the least megatrain needs.
-    gpu, host = (num_slots * slot + act, cache) if fits else (gpu_need, host_need)
+    gpu, host = (num_slots * slot + act, cache + staging) if fits else (gpu_need, host_need)
     micro = workload.micro_batches
     cd = DTYPE_BYTES[workload.compute_dtype]
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
@@ -378,94 +402,3 @@ def recommend(plan: Plan) -> Row | None:
     if on_host:
         return on_host[0]
     return min(fitting, key=lambda r: r.step_s, default=None)
-
-
-def _gb(value: float) -> str:
-    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-
-
-LEGEND = (
-    "GPU GB: GPU memory used: plain AdamW fp32 weights, gradients, Adam state and activations;",
-    "  ZeRO-Offload weights in the compute dtype and activations; megatrain its slots (slots x GB per",
-    "  slot) and activations.",
-    "host GB: RAM used: ZeRO-Offload fp32 weights and Adam state; megatrain the store and gradients (host",
-    "  tier) or their cache (disk tier), = cache GB. disk GB: the disk tier's files.",
-    "fits: within the machine less the reserve; for megatrain, at its least (2 slots, the blocks in use).",
-    "  A row that does not fit shows that least need. tier, slots, prefetch, cache GB: megatrain's settings.",
-    "step >= s: a lower bound on one optimizer step, set by the slowest of compute, link and disk (bound).",
-)
-
-
-def format_plan(plan: Plan) -> str:
-    """The plan as a plain-text table, with one line each on the model, the machine and the workload."""
-    m, mach, w = plan.model, plan.machine, plan.workload
-    lines = [
-        f"model: {_count(m.num_params)} params in {m.num_blocks} blocks, largest {_count(m.largest_block)} "
-        f"({_gb(plan.slot_gb)} GB per slot in {w.compute_dtype}); activations {_gb(plan.activations_gb)} GB "
-        f"per micro-batch of {w.micro_tokens} tokens"
-        + (" (per-block checkpointing)" if w.activation_checkpointing else ""),
-        f"machine: {mach.vram_gb:g} GB GPU, {mach.ram_gb:g} GB RAM, {mach.disk_gb:g} GB disk; "
-        f"link {mach.pcie_gbps:g} GB/s, disk {mach.disk_gbps:g} GB/s, {mach.tflops:g} TFLOP/s; "
-        f"{w.tokens_per_step} tokens per step in {w.micro_batches} micro-batch(es); "
-        f"{RESERVE:.0%} of GPU and RAM kept in reserve",
-        "",
-    ]
-    header = (
-        "method",
-        "GPU GB",
-        "host GB",
-        "disk GB",
-        "fits",
-        "tier",
-        "slots",
-        "prefetch",
-        "cache GB",
-        "step >= s",
-        "bound",
-    )
-    table = [header]
-    for r in plan.rows:
-        s = r.settings
-        table.append(
-            (
-                r.method,
-                _gb(r.gpu_gb),
-                _gb(r.host_gb),
-                _gb(r.disk_gb),
-                "yes" if r.fits else "no",
-                s.tier if s else "-",
-                str(s.num_slots) if s else "-",
-                str(s.prefetch_depth) if s else "-",
-                _gb(s.cache_gb) if s else "-",
-                f"{r.step_s:.3g}",
-                r.bound_by,
-            )
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        cells = [
-            c.ljust(wd) if j == 0 else c.rjust(wd) for j, (c, wd) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells))
-        if i == 0:
-            lines.append("  ".join("-" * wd for wd in widths))
-    lines += ["", *LEGEND]
-    least = min_cache_bytes(m.largest_block)
-    lines += ["", f"disk tier: `max_cpu_gb` >= {_gb(least / GB)} GB (the store chunks in use at once)."]
-    best = recommend(plan)
-    lines.append("")
-    if best is None or best.settings is None:
-        lines.append("megatrain: does not fit this machine; add RAM, a larger disk or GPU memory.")
-    else:
-        s = best.settings
-        where = "in host RAM" if s.tier == "host" else f"on disk, {_gb(s.cache_gb)} GB cached in RAM"
-        lines.append(
-            f"recommended: {best.method} with the store {where}, {s.num_slots} slots "
-            f"({_gb(s.max_vram_gb)} GB; {_gb(best.gpu_gb)} GB on the GPU with activations), "
-            f"prefetch depth {s.prefetch_depth}"
-        )
-    return "\n".join(lines)

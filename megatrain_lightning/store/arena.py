@@ -32,8 +32,13 @@ class Arena:
     def __init__(self, capacity: int, pin_memory: bool = False) -> None:
         self.capacity = whole_pages_in(capacity)
         self.memory = host_empty(self.capacity, torch.uint8, pin_memory)
+        self.pinned = pin_memory and self.memory.is_pinned()  # False where page-locking failed
         self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (start, end)
         self.used = 0
+
+    def held(self) -> int:
+        """Bytes of RAM the arena holds: all of it once page-locked, else the regions in use."""
+        return self.capacity if self.pinned else self.used
 
     def allocate(self, size: int) -> int | None:
         """The offset of a free region of ``size`` (whole pages) bytes, or ``None`` if no gap fits."""

@@ -326,7 +326,7 @@ class DiskStore(HostStore):
 
     def nbytes(self, *kinds: str) -> int:
         with self._cond:
-            return self._arena.used
+            return self._arena.held()
 
     def flush(self) -> None:
         """Write every dirty entry back and wait until all writes are on disk."""
@@ -389,7 +389,6 @@ class DiskStore(HostStore):
         else:
             entry.raw.zero_()
         self._entries[key] = entry
-        self.stats.host_bytes = self._arena.used
         self.stats.peak_host_cache_bytes = max(self.stats.peak_host_cache_bytes, self._arena.used)
         return entry
 

@@ -166,9 +166,10 @@ class HostStore:
         """``kinds`` of ``block`` are pinned next, ahead of every predicted access (a submitted update)."""
 
     def nbytes(self, *kinds: str) -> int:
-        """Bytes of host memory the store holds (for ``kinds``, or all)."""
+        """Bytes of host memory the store holds (for ``kinds``, or all): whole pages, as allocated (and
+        page-locked, for pinned weights)."""
         return sum(
-            b.numel() * b.element_size() for (_, k), b in self._buffers.items() if not kinds or k in kinds
+            b.untyped_storage().nbytes() for (_, k), b in self._buffers.items() if not kinds or k in kinds
         )
 
     def forget_read_failures(self) -> None:

@@ -84,9 +84,13 @@ def check_disk_space(path: str, need_bytes: int) -> None:
         )
 
 
-def check_host_ram(max_cpu_gb: float) -> None:
+def check_host_ram(max_cpu_gb: float, staging_bytes: int = 0) -> None:
+    """``max_cpu_gb`` of cache, plus ``staging_bytes`` of page-locked gradient staging, fit in the RAM
+    available."""
     available = available_ram_bytes()
-    if max_cpu_gb * _GB > available:
+    if max_cpu_gb * _GB + staging_bytes > available:
+        staging = f" plus {staging_bytes / _GB:.2f} GB of gradient staging" if staging_bytes else ""
         raise MisconfigurationException(
-            f"`max_cpu_gb={max_cpu_gb}` is more than the {available / _GB:.1f} GB of RAM available; lower it."
+            f"`max_cpu_gb={max_cpu_gb}`{staging} is more than the {available / _GB:.1f} GB of RAM available; "
+            "lower it."
         )

@@ -28,6 +28,8 @@ FETCHES = 2  # the prefetcher's and a demand load
 CUDA_FETCH_CHUNKS = 3  # chunks one fetch pins on CUDA (copies in flight); one elsewhere
 OFFLOAD_CHUNKS = 2  # the gradient and its per-pass sum
 KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the chunk an optimizer thread updates
+# The gradient offload's staging buffers on CUDA (page-locked), each the largest block in fp32.
+STAGING_BUFFERS = 2
 _GB = 1e9
 
 
@@ -44,6 +46,11 @@ def min_cache_bytes(
     the largest block if smaller, in whole pages) and one more."""
     chunk = pages(FP32_BYTES * min(chunk_numel, largest_block))
     return (pinned_chunks(optimizer_threads, cuda) + 1) * chunk
+
+
+def staging_bytes(largest_numel: int) -> int:
+    """Page-locked host memory of the gradient offload's staging buffers (on CUDA)."""
+    return STAGING_BUFFERS * pages(FP32_BYTES * largest_numel)
 
 
 def region_bytes(blocks: list[Block]) -> int:
@@ -73,14 +80,14 @@ def disk_files_bytes(blocks: list[Block], compression: str = "none", gradients: 
     return files
 
 
-def num_slots_for(max_vram_gb: float, blocks: list[Block], itemsize: int) -> int:
-    """How many slots (each the largest block in the compute dtype) ``max_vram_gb`` holds; at least one."""
-    slot_bytes = max(b.numel for b in blocks) * itemsize
+def num_slots_for(max_vram_gb: float, slot_bytes: int) -> int:
+    """How many slots of ``slot_bytes`` (the largest block on the device) ``max_vram_gb`` holds; at least
+    one."""
     num_slots = int(max_vram_gb * _GB // slot_bytes)
     if num_slots < 1:
         raise MisconfigurationException(
             f"`max_vram_gb={max_vram_gb}` is smaller than the largest block "
-            f"({slot_bytes / _GB:.3g} GB in the compute dtype); raise it to at least that."
+            f"({slot_bytes / _GB:.3g} GB on the device); raise it to at least that."
         )
     return num_slots
 

@@ -1,0 +1,133 @@
+"""What a block looks like on the device: each parameter's compute dtype and its place in a slot.
+
+This is the one place that decides a parameter's dtype on the device (a host-side copy in the compute
+dtype must follow :func:`param_dtype` too). Under ``"bf16-mixed"`` Lightning keeps fp32 weights and
+lets autocast cast them for the ops it lists (matmuls, convolutions). A weight that only such an op
+reads may sit in the slot in bf16, rounded as autocast would round it: the weight of an ``nn.Linear``,
+an ``nn.Conv*d`` or Hugging Face's ``Conv1D`` whose forward is the stock one. Every other parameter
+stays fp32, as Lightning's: embeddings (the lookup is on no autocast list: an fp32 table keeps the
+residual stream fp32), norm weights and biases (elementwise ops that autocast leaves in fp32), and
+parameters that models read in their own ways (mixture-of-experts weights fed to grouped matmuls or
+upcast with ``.float()``, state-space ``A_log``, ...). Their values and gradients are then fp32 too.
+
+A slot is a byte buffer. A block fills it with *runs*: stretches of its flat store layout whose
+parameters share a dtype, each copied in one transfer; with one dtype (``"32-true"``, ``"bf16-true"``)
+a block is one run and the slot is its flat layout in that dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from megatrain_lightning.store.layout import ALIGN, Block
+
+RUN_ALIGN = ALIGN * 4  # bytes: every run starts ALIGN fp32 elements into the slot
+_AUTOCAST_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # forward: one op autocast casts for
+
+
+def _autocast_weight(owner: nn.Module, attr: str) -> bool:
+    """Whether ``owner.<attr>`` is a weight its module's stock forward hands to an op autocast casts for."""
+    if attr != "weight":
+        return False
+    if any(type(owner).forward is cls.forward for cls in _AUTOCAST_MODULES if isinstance(owner, cls)):
+        return True
+    return type(owner).__name__ == "Conv1D" and type(owner).__module__ == "transformers.pytorch_utils"
+
+
+def param_dtype(block: Block, index: int, compute_dtype: torch.dtype, mixed: bool) -> torch.dtype:
+    """The dtype of ``block``'s parameter ``index`` on the device; ``mixed``: autocast (``bf16-mixed``)."""
+    if not mixed or compute_dtype == torch.float32:
+        return compute_dtype
+    owners = [b for site in block.sites for b in site.bindings if b.index == index]
+    return compute_dtype if all(_autocast_weight(b.owner, b.attr) for b in owners) else torch.float32
+
+
+def mixed_fp32_numels(blocks: list[Block]) -> list[int]:
+    """Per block, the elements (padding included) that stay fp32 on the device under ``bf16-mixed``: the
+    planner sizes slots with them."""
+    layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
+    return [sum(r.end - r.start for r in runs if r.dtype == torch.float32) for runs in layout.runs]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Store elements ``[start, end)`` of a block, on the device in ``dtype`` from byte ``offset``."""
+
+    start: int
+    end: int
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * self.dtype.itemsize
+
+
+class SlotLayout:
+    """Every block's runs and parameter dtypes for one compute dtype; ``nbytes``: one slot's size."""
+
+    def __init__(self, blocks: list[Block], compute_dtype: torch.dtype, mixed: bool = False) -> None:
+        self.blocks = blocks
+        self.compute_dtype = compute_dtype
+        self.dtypes = [
+            [param_dtype(block, i, compute_dtype, mixed) for i in range(len(block.params))]
+            for block in blocks
+        ]
+        self.runs = [self._runs(block, dtypes) for block, dtypes in zip(blocks, self.dtypes, strict=True)]
+        self.offsets = [[self._byte_offset(b.index, i) for i in range(len(b.params))] for b in blocks]
+        self.block_bytes = [runs[-1].offset + runs[-1].nbytes if runs else 0 for runs in self.runs]
+        self.nbytes = max(self.block_bytes, default=0)
+
+    @staticmethod
+    def _runs(block: Block, dtypes: list[torch.dtype]) -> list[Run]:
+        """Consecutive parameters (in store order) of one dtype form a run; each run starts aligned."""
+        runs: list[Run] = []
+        for i in sorted(range(len(block.params)), key=lambda i: block.params[i].offset):
+            if runs and runs[-1].dtype == dtypes[i]:
+                continue
+            start, offset = block.params[i].offset, 0
+            if runs:
+                last = runs[-1] = dataclasses.replace(runs[-1], end=start)
+                offset = _align(last.offset + last.nbytes)
+            runs.append(Run(start, block.numel, dtypes[i], offset))
+        return runs
+
+    def _byte_offset(self, block: int, index: int) -> int:
+        start = self.blocks[block].params[index].offset
+        run = next(r for r in reversed(self.runs[block]) if r.start <= start)
+        return run.offset + (start - run.start) * run.dtype.itemsize
+
+    def view(self, block: int, index: int, slot: Tensor) -> Tensor:
+        """Parameter ``index`` of ``block`` in ``slot`` (the slot's whole byte buffer), shaped."""
+        spec, dtype, start = (
+            self.blocks[block].params[index],
+            self.dtypes[block][index],
+            self.offsets[block][index],
+        )
+        return slot[start : start + spec.numel * dtype.itemsize].view(dtype).view(spec.shape)
+
+    def copy_in(
+        self,
+        block: int,
+        src: Tensor,
+        slot: Tensor,
+        non_blocking: bool = False,
+        span: tuple[int, int] | None = None,
+    ) -> None:
+        """Copy ``block``'s flat master weights ``src`` (or, with ``span``, its elements ``[start, stop)``: a
+        store chunk) into ``slot``, converting each run to its dtype."""
+        lo, hi = span or (0, self.blocks[block].numel)
+        for run in self.runs[block]:
+            a, b = max(run.start, lo), min(run.end, hi)
+            if a < b:
+                start = run.offset + (a - run.start) * run.dtype.itemsize
+                dst = slot[start : start + (b - a) * run.dtype.itemsize].view(run.dtype)
+                dst.copy_(src[a - lo : b - lo], non_blocking=non_blocking)
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // RUN_ALIGN) * RUN_ALIGN

@@ -1,0 +1,98 @@
+"""The plan as ``megatrain plan`` prints it: a table of every way of training, a legend, a recommendation."""
+
+from __future__ import annotations
+
+from megatrain_lightning.planner.plan import RESERVE, Plan, recommend
+from megatrain_lightning.store.sizing import min_cache_bytes
+
+
+def _gb(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+LEGEND = (
+    "GPU GB: GPU memory used: plain AdamW fp32 weights, gradients, Adam state and activations;",
+    "  ZeRO-Offload weights in the compute dtype and activations; megatrain its slots (slots x GB per",
+    "  slot) and activations.",
+    "host GB: RAM used: ZeRO-Offload fp32 weights and Adam state; megatrain the store and gradients (host",
+    "  tier) or their cache (disk tier), = cache GB, plus the gradient offload's two page-locked staging",
+    "  buffers (the largest block in fp32 each). disk GB: the disk tier's files.",
+    "fits: within the machine less the reserve; for megatrain, at its least (2 slots, the blocks in use).",
+    "  A row that does not fit shows that least need. tier, slots, prefetch, cache GB: megatrain's settings.",
+    "step >= s: a lower bound on one optimizer step, set by the slowest of compute, link and disk (bound).",
+)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a plain-text table, with one line each on the model, the machine and the workload."""
+    m, mach, w = plan.model, plan.machine, plan.workload
+    lines = [
+        f"model: {_count(m.num_params)} params in {m.num_blocks} blocks, largest {_count(m.largest_block)} "
+        f"({_gb(plan.slot_gb)} GB per slot in {w.compute_dtype}); activations {_gb(plan.activations_gb)} GB "
+        f"per micro-batch of {w.micro_tokens} tokens"
+        + (" (per-block checkpointing)" if w.activation_checkpointing else ""),
+        f"machine: {mach.vram_gb:g} GB GPU, {mach.ram_gb:g} GB RAM, {mach.disk_gb:g} GB disk; "
+        f"link {mach.pcie_gbps:g} GB/s, disk {mach.disk_gbps:g} GB/s, {mach.tflops:g} TFLOP/s; "
+        f"{w.tokens_per_step} tokens per step in {w.micro_batches} micro-batch(es); "
+        f"{RESERVE:.0%} of GPU and RAM kept in reserve",
+        "",
+    ]
+    header = (
+        "method",
+        "GPU GB",
+        "host GB",
+        "disk GB",
+        "fits",
+        "tier",
+        "slots",
+        "prefetch",
+        "cache GB",
+        "step >= s",
+        "bound",
+    )
+    table = [header]
+    for r in plan.rows:
+        s = r.settings
+        table.append(
+            (
+                r.method,
+                _gb(r.gpu_gb),
+                _gb(r.host_gb),
+                _gb(r.disk_gb),
+                "yes" if r.fits else "no",
+                s.tier if s else "-",
+                str(s.num_slots) if s else "-",
+                str(s.prefetch_depth) if s else "-",
+                _gb(s.cache_gb) if s else "-",
+                f"{r.step_s:.3g}",
+                r.bound_by,
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        cells = [
+            c.ljust(wd) if j == 0 else c.rjust(wd) for j, (c, wd) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    lines += ["", *LEGEND]
+    least = min_cache_bytes(m.largest_block)
+    lines += ["", f"disk tier: `max_cpu_gb` >= {_gb(least / 1e9)} GB (the store chunks in use at once)."]
+    best = recommend(plan)
+    lines.append("")
+    if best is None or best.settings is None:
+        lines.append("megatrain: does not fit this machine; add RAM, a larger disk or GPU memory.")
+    else:
+        s = best.settings
+        where = "in host RAM" if s.tier == "host" else f"on disk, {_gb(s.cache_gb)} GB cached in RAM"
+        lines.append(
+            f"recommended: {best.method} with the store {where}, {s.num_slots} slots "
+            f"({_gb(s.max_vram_gb)} GB; {_gb(best.gpu_gb)} GB on the GPU with activations), "
+            f"prefetch depth {s.prefetch_depth}"
+        )
+    return "\n".join(lines)
