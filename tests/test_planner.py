@@ -135,7 +135,7 @@ def test_shapes_from_files_modules_and_moe(tmp_path):
     moe = load_shape(tiny_config("qwen2_moe"))
     assert moe.mlp_width == 32 * 2 + 64  # two active experts and the shared expert
     with pytest.raises(ValueError, match="preset"):
-        load_shape("3b")
+        load_shape("13b")
     with pytest.raises(ValueError, match="compression"):
         plan_for("tiny", Machine(1, 1), compression="int2")
 
