@@ -58,7 +58,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     else:
         num_slots = auto.num_slots if auto is not None else len(blocks)
     num_slots = max(1, min(num_slots, len(blocks)))
-    offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, num_slots, auto)
+    offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, auto)
     auto_prefetch = strategy.prefetch_depth == "auto"
     config = EngineConfig(
         device=strategy.root_device,
@@ -95,7 +95,7 @@ def _plan(
 
 
 def _disk_tier(
-    strategy: MegaTrainStrategy, blocks: list[Block], num_slots: int, auto: Settings | None
+    strategy: MegaTrainStrategy, blocks: list[Block], auto: Settings | None
 ) -> tuple[str | None, int, list[str]]:
     if strategy.offload_dir is None:
         return None, 0, []
@@ -105,14 +105,16 @@ def _disk_tier(
     created = missing_dirs(path)
     try:
         path = prepare_offload_dir(path)
-        check_disk_space(path, sizing.disk_files_bytes(blocks))
-        if auto is not None:
-            default = int(auto.cache_gb * _GB)
-        else:
-            default = min(sizing.disk_files_bytes(blocks), available_ram_bytes() // 2)
+        accumulating = strategy.lightning_module.trainer.accumulate_grad_batches > 1
+        files = sizing.disk_files_bytes(blocks, strategy.optimizer_compression, gradients=accumulating)
+        check_disk_space(path, files)
+        default = int(auto.cache_gb * _GB) if auto is not None else min(files, available_ram_bytes() // 2)
         threads = strategy.optimizer_threads
-        cache = sizing.cache_bytes_for(blocks, num_slots, threads, strategy.max_cpu_gb, default)
-        if strategy.root_device.type == "cuda":  # the cache and the offload's staging are page-locked
+        cuda = strategy.root_device.type == "cuda"
+        cache = sizing.cache_bytes_for(
+            blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel, cuda
+        )
+        if cuda:  # the cache and the offload's staging are page-locked
             check_host_ram(cache / _GB, sizing.staging_bytes(max(b.numel for b in blocks)))
     except BaseException:
         remove_empty_dirs(created)  # a refused run leaves no empty folder behind

@@ -67,7 +67,11 @@ def plan_parser() -> argparse.ArgumentParser:
         "the settings megatrain would choose, and a step-time lower bound.",
     )
     add = parser.add_argument
-    add("--model", required=True, help="preset (tiny, 170m, 1b, 7b, 70b), a config.json or a model directory")
+    add(
+        "--model",
+        required=True,
+        help="preset (tiny, 170m, 1b, 3b, 7b, 70b), a config.json or a model directory",
+    )
     add("--vram", type=float, required=True, help="GPU memory, GB")
     add("--ram", type=float, required=True, help="host memory, GB")
     add("--disk", type=float, default=0.0, help="free space for the disk tier, GB")

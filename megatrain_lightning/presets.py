@@ -78,7 +78,8 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
     return cls(**kwargs)
 
 
-# Llama-2-shaped configs ("1b" is the TinyLlama-1.1B shape: Llama-2 has no 1B model).
+# Llama-2-shaped configs ("1b" is the TinyLlama-1.1B shape and "3b" the OpenLLaMA-3B one: Llama-2 has
+# neither size).
 _LLAMA_SHAPES: dict[str, dict[str, int]] = {
     "170m": dict(
         hidden_size=1024,
@@ -94,6 +95,14 @@ _LLAMA_SHAPES: dict[str, dict[str, int]] = {
         num_hidden_layers=22,
         num_attention_heads=32,
         num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
+    "3b": dict(
+        hidden_size=3200,
+        intermediate_size=8640,
+        num_hidden_layers=26,
+        num_attention_heads=32,
+        num_key_value_heads=32,
         max_position_embeddings=2048,
     ),
     "7b": dict(
@@ -116,7 +125,7 @@ _LLAMA_SHAPES: dict[str, dict[str, int]] = {
 
 
 def llama_config(size: str, **overrides: Any) -> PretrainedConfig:
-    """A Llama config of a standard shape: ``"170m"``, ``"1b"``, ``"7b"`` or ``"70b"``.
+    """A Llama config of a standard shape: ``"170m"``, ``"1b"``, ``"3b"``, ``"7b"`` or ``"70b"``.
 
     Vocabulary 32000, untied embeddings, RMSNorm eps 1e-5, no dropout. ``overrides`` replace
     any field (e.g. ``vocab_size=256`` for the byte tokenizer).

@@ -32,6 +32,7 @@ from megatrain_lightning.store import sizing
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.memory import ALIGNMENT
 from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_host_ram,
@@ -86,7 +87,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow).
         optimizer_threads: worker threads for block updates.
         io_threads: disk tier: blocks read or written at once.
-        io_chunk_mb: disk tier: size of each read or write call.
+        io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
+            pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size.
     """
 
     strategy_name = "megatrain"
@@ -104,7 +106,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         prefetch_depth: int | str = "auto",
         optimizer_threads: int = 1,
         io_threads: int = 4,
-        io_chunk_mb: int = 8,
+        io_chunk_mb: float = 16,
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
@@ -136,15 +138,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}."
             )
         self.prefetch_depth = prefetch_depth
-        for name, value in [
-            ("optimizer_threads", optimizer_threads),
-            ("io_threads", io_threads),
-            ("io_chunk_mb", io_chunk_mb),
-        ]:
+        for name, value in [("optimizer_threads", optimizer_threads), ("io_threads", io_threads)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MisconfigurationException(f"`{name}` must be an int >= 1; got {value!r}.")
+        if budgets.gb_option("io_chunk_mb", io_chunk_mb) is None:
+            raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
         self.optimizer_threads = optimizer_threads
-        self.io = IOConfig(chunk_bytes=io_chunk_mb << 20, threads=io_threads)
+        # Whole pages: O_DIRECT calls move page-aligned lengths.
+        chunk_bytes = max(ALIGNMENT, int(io_chunk_mb * (1 << 20)) // ALIGNMENT * ALIGNMENT)
+        self.io = IOConfig(chunk_bytes=chunk_bytes, threads=io_threads)
         if self.offload_dir is not None and self.offload_dir != "auto":
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []

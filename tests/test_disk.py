@@ -16,6 +16,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.store import sizing
 from megatrain_lightning.store.disk import STORE_DIRNAME, DiskStore
 from megatrain_lightning.store.io import BlockFile, StoreIOError
 from megatrain_lightning.store.layout import Block
@@ -30,13 +31,21 @@ CASES = [
 ]
 
 
+CHUNK_NUMEL = 2048  # 8 KB chunks: several per block, so every path runs chunk by chunk
+
+
 def _budgets(model: torch.nn.Module) -> dict[str, float]:
-    """Two blocks of slots, and a host cache of a quarter of the model's fp32 weights."""
+    """Two blocks of slots, a host cache of a quarter of the model's fp32 weights, small chunks."""
     blocks = discover_blocks(model)
-    largest = 4 * max(b.numel for b in blocks)
+    largest = max(b.numel for b in blocks)
     cache = sum(4 * b.numel for b in blocks) / 4
-    assert cache >= 9 * largest, "model too shallow for the cache to hold the blocks in use at once"
-    return {"max_vram_gb": 2 * largest / 1e9, "max_cpu_gb": cache / 1e9}
+    assert largest > 2 * CHUNK_NUMEL
+    assert cache >= sizing.min_cache_bytes(largest, 1, CHUNK_NUMEL), "model too small for the chunks in use"
+    return {
+        "max_vram_gb": 8 * largest / 1e9,
+        "max_cpu_gb": cache / 1e9,
+        "io_chunk_mb": 4 * CHUNK_NUMEL / 2**20,
+    }
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "accumulate", "clip"), CASES)
@@ -159,7 +168,8 @@ MEMORY_SCRIPT = peak_rss_script(
     module = CausalLMModule(config, lr=1e-4, max_steps=2)  # built on meta in configure_model
     PEAK_RSS_WATCHER
     slots_gb = 2 * 4 * 3_200_000 / 1e9
-    strategy = megatrain_lightning.MegaTrainStrategy(offload_dir=folder, max_cpu_gb=cache_gb, max_vram_gb=slots_gb)
+    strategy = megatrain_lightning.MegaTrainStrategy(offload_dir=folder, max_cpu_gb=cache_gb, max_vram_gb=slots_gb,
+                                                     io_chunk_mb=1)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
     trainer.fit(module, datamodule=TextDataModule(seq_len=64, batch_size=1))

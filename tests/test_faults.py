@@ -146,7 +146,7 @@ def test_failed_block_load_leaves_no_pin(model, plain, monkeypatch):
     module, strategy = UserLM(copy.deepcopy(model)), MegaTrainStrategy(max_vram_gb=3.2e-4)
     loads = []
 
-    def from_the_third_load_of_block_1(self, block, kind, write=False):
+    def from_the_third_load_of_block_1(self, block, kind, write=False, span=None):
         if kind == "param" and not write and block == 1:
             loads.append(block)
             return len(loads) >= 3  # every later load too: a demand load meets it (a prefetch is retried)

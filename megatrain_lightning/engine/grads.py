@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -209,23 +209,46 @@ class HostGrads:
 
     def _fold(self, block: int) -> None:
         """Add this pass's summed contributions of ``block`` to the accumulation buffer."""
-        with self.store.pinned(block, "grad_pass") as flat:
-            sums = self.store.blocks[block].views(flat)
-            self._add(block, "grad", self._present[block], {i: sums[i] for i in self._pass_sums.pop(block)})
+        indices = self._pass_sums.pop(block)
+        for span in self.store.spans(block):
+            lo = span[0]
+            with self.store.pinned_all(block, ("grad_pass", "grad"), write=True, span=span) as flats:
+                for index, a, b, _ in self._parts(block, span, indices):
+                    src = flats["grad_pass"][a - lo : b - lo]
+                    self._add_into(flats["grad"][a - lo : b - lo], src, index in self._present[block])
+        self._present[block].update(indices)
         self.store.discard(block, "grad_pass")
 
     def _add(self, block: int, kind: str, present: set[int], grads: dict[int, Tensor]) -> None:
-        with self.store.pinned(block, kind, write=True) as flat:
-            self._add_into(self.store.blocks[block].views(flat), present, grads)
+        """One store chunk at a time, each gradient's part in it (elementwise: bitwise the whole sum)."""
+        flat_grads = {index: grad.reshape(-1) for index, grad in grads.items()}
+        for span in self.store.spans(block):
+            lo = span[0]
+            with self.store.pinned(block, kind, write=True, span=span) as flat:
+                for index, a, b, start in self._parts(block, span, grads):
+                    src = flat_grads[index][a - start : b - start]
+                    self._add_into(flat[a - lo : b - lo], src, index in present)
+        present.update(grads)
+
+    def _parts(
+        self, block: int, span: tuple[int, int], indices: Iterable[int]
+    ) -> Iterator[tuple[int, int, int, int]]:
+        """``(index, a, b, offset)`` per parameter of ``indices`` that overlaps the chunk ``span``: the
+        overlap ``[a, b)`` in block elements, and where the parameter starts."""
+        lo, hi = span
+        params = self.store.blocks[block].params
+        for index in indices:
+            start = params[index].offset
+            a, b = max(start, lo), min(start + params[index].numel, hi)
+            if a < b:
+                yield index, a, b, start
 
     @staticmethod
-    def _add_into(dst: list[Tensor], present: set[int], grads: dict[int, Tensor]) -> None:
-        for index, grad in grads.items():
-            if index in present:
-                dst[index].add_(grad)
-            else:
-                dst[index].copy_(grad)
-                present.add(index)
+    def _add_into(dst: Tensor, src: Tensor, present: bool) -> None:
+        if present:
+            dst.add_(src)
+        else:
+            dst.copy_(src)
 
     def _take_staging(self) -> Tensor:
         """A free staging buffer: the largest block's bytes in fp32 (a block's gradients may mix dtypes)."""

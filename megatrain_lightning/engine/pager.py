@@ -15,6 +15,7 @@ has seen it finish.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -36,6 +37,7 @@ from megatrain_lightning.telemetry.timeline import TIMELINE
 log = logging.getLogger(__name__)
 
 _NEVER = float("inf")
+_CHUNKS_IN_FLIGHT = 2  # store chunks a device copy holds pinned at once
 
 
 class _Slot:
@@ -200,15 +202,9 @@ class Pager:
         unpin = contextlib.ExitStack()
         try:
             point("pager.load.before")
-            src = unpin.enter_context(self.store.pinned(block, "param"))
+            self.store.wait_for_change(block)  # a pending update of the block
             start = time.perf_counter()
-            if self._copy_stream is None:
-                self.layout.copy_in(block, src, slot.buf)
-            else:
-                with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(slot.released)
-                    self.layout.copy_in(block, src, slot.buf, non_blocking=True)
-                    slot.copied.record(self._copy_stream)
+            self._copy_chunks(slot, block, unpin)
             point("pager.load.after")
         except BaseException as err:  # surfaces in the waiting compute thread
             unpin.close()
@@ -217,6 +213,32 @@ class Pager:
             return
         slot.ready.set_result(None)
         finish(self._finish_load, slot, block, unpin, start, self.layout.block_bytes[block])
+
+    def _copy_chunks(self, slot: _Slot, block: int, unpin: contextlib.ExitStack) -> None:
+        """Copy ``block``'s master weights into ``slot`` one store chunk at a time, each pinned only while a
+        copy reads it: at most ``_CHUNKS_IN_FLIGHT`` on CUDA, the rest released as their copies finish;
+        those still in flight are left to ``unpin``."""
+        in_flight: collections.deque[tuple[torch.cuda.Event, contextlib.ExitStack]] = collections.deque()
+        unpin.callback(lambda: [pin.close() for _, pin in in_flight])
+        for span in self.store.spans(block):
+            if self._copy_stream is None:
+                with self.store.pinned(block, "param", span=span) as src:
+                    self.layout.copy_in(block, src, slot.buf, span=span)
+                continue
+            copied, pin = torch.cuda.Event(blocking=True), contextlib.ExitStack()
+            in_flight.append((copied, pin))
+            src = pin.enter_context(self.store.pinned(block, "param", span=span))
+            with torch.cuda.stream(self._copy_stream):
+                if span[0] == 0:
+                    self._copy_stream.wait_event(slot.released)
+                self.layout.copy_in(block, src, slot.buf, non_blocking=True, span=span)
+                copied.record(self._copy_stream)
+            if len(in_flight) > _CHUNKS_IN_FLIGHT:
+                event, done = in_flight.popleft()
+                event.synchronize()
+                done.close()
+        if self._copy_stream is not None:
+            slot.copied.record(self._copy_stream)
 
     def _finish_load(
         self, slot: _Slot, block: int, unpin: contextlib.ExitStack, start: float, nbytes: int

@@ -83,7 +83,7 @@ class EngineConfig:
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
-            return HostStore(blocks, pin_memory=self.pin_memory, stats=stats)
+            return HostStore(blocks, self.pin_memory, stats, self.io.chunk_numel)
         return DiskStore(
             blocks,
             self.offload_dir,
@@ -382,6 +382,7 @@ class Engine:
         ready = functools.partial(optimizer.block_ready, block.index) if optimizer is not None else _nothing
         if optimizer is not None:
             optimizer.wait_for_room()
+            optimizer.claim_gradients(block.index)
         if found:
             # Without a trace to say otherwise, a block with one call site is used once per pass.
             final = last_use or (not self.pager.trace.following and len(block.sites) == 1)

@@ -110,11 +110,23 @@ class SlotLayout:
         )
         return slot[start : start + spec.numel * dtype.itemsize].view(dtype).view(spec.shape)
 
-    def copy_in(self, block: int, src: Tensor, slot: Tensor, non_blocking: bool = False) -> None:
-        """Copy ``block``'s flat master weights ``src`` into ``slot``, converting each run to its dtype."""
+    def copy_in(
+        self,
+        block: int,
+        src: Tensor,
+        slot: Tensor,
+        non_blocking: bool = False,
+        span: tuple[int, int] | None = None,
+    ) -> None:
+        """Copy ``block``'s flat master weights ``src`` (or, with ``span``, its elements ``[start, stop)``: a
+        store chunk) into ``slot``, converting each run to its dtype."""
+        lo, hi = span or (0, self.blocks[block].numel)
         for run in self.runs[block]:
-            dst = slot[run.offset : run.offset + run.nbytes].view(run.dtype)
-            dst.copy_(src[run.start : run.end], non_blocking=non_blocking)
+            a, b = max(run.start, lo), min(run.end, hi)
+            if a < b:
+                start = run.offset + (a - run.start) * run.dtype.itemsize
+                dst = slot[start : start + (b - a) * run.dtype.itemsize].view(run.dtype)
+                dst.copy_(src[a - lo : b - lo], non_blocking=non_blocking)
 
 
 def _align(nbytes: int) -> int:

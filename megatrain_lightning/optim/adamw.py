@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam
 
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.optim import codecs, state_dict
+from megatrain_lightning.optim import state_dict
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.optim.state_dict import FP32_MOMENTS
 from megatrain_lightning.optim.updates import UpdateQueue
@@ -221,6 +221,12 @@ class CPUAdamW(Optimizer):
     def wait_for_room(self) -> None:
         self.updates.wait_for_room()
 
+    def claim_gradients(self, block: int) -> None:
+        """``block``'s gradient sums are about to be completed and its update follows at once (a pass that
+        steps, without deferred updates): the store keeps them cached until the update used them."""
+        if self._in_step and not self.defer_updates:
+            self.store.claim(block, ("grad",))
+
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait_all()
@@ -255,12 +261,13 @@ class CPUAdamW(Optimizer):
             present = self.grads.present(block)
             if not present:
                 continue
-            with self.store.pinned(block, "grad", write=self._clip.value is not None) as flat:
-                views = self.store.blocks[block].views(flat)
-                grads = [views[i] for i in present]
-                if self._clip.value is not None:
-                    self._clamp(grads, self._clip.value)
-                norms.update(zip(((block, i) for i in present), torch._foreach_norm(grads, 2.0), strict=True))
+            for i in present:  # one parameter at a time: torch's reduction over each whole gradient
+                spec = self.store.blocks[block].params[i]
+                span = (spec.offset, spec.offset + spec.numel)
+                with self.store.pinned(block, "grad", write=self._clip.value is not None, span=span) as grad:
+                    if self._clip.value is not None:
+                        self._clamp([grad], self._clip.value)
+                    (norms[block, i],) = torch._foreach_norm([grad], 2.0)
         self._clip = _Clip()
         if not norms:
             return torch.tensor(0.0)
@@ -315,38 +322,70 @@ class CPUAdamW(Optimizer):
         return ("param", "grad", *self.state_kinds)
 
     def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
-        with self.store.pinned_all(block, self.update_kinds, write=True) as flats:
-            self._update_pinned(block, flats, hparams, clip)
-        self.store.discard(block, "grad")
-        self.grads.mark_consumed(block)
-        self.store.written(block, ("param", *self.state_kinds))
-
-    def _update_pinned(
-        self, block: int, flats: dict[str, Tensor], hparams: list[_GroupHparams], clip: _Clip
-    ) -> None:
+        """The block's update, one store chunk at a time (so it needs a chunk of each kind in RAM, not a
+        block): AdamW is elementwise and the quantized moments are block-wise with chunks cut at whole
+        quantization blocks, so the result is bitwise that of one pass over the whole block."""
         present = set(self.grads.present(block))
         steps = self._steps[block]
-        q = self._quantized[block]  # elements [0, q) have quantized moments, [q, numel) fp32 ones
+        plan = []  # per param group with gradients: hyperparameters, runs, runs on their first step
         for group, indices in self._plan[block]:
             runs = self._runs(block, [i for i in indices if i in present])
-            if not runs:
+            if runs:
+                plan.append((hparams[group], runs, {a for a, _, members in runs if steps[members[0]] == 0}))
+        for span in self.store.spans(block):
+            with self.store.pinned_all(block, self.update_kinds, write=True, span=span) as flats:
+                self._update_pinned(block, span, flats, plan, clip)
+            self.store.discard(block, "grad", span)
+            self.store.written(block, ("param", *self.state_kinds), span)
+        for _, runs, _ in plan:
+            for _, _, members in runs:
+                for i in members:
+                    steps[i] += 1
+        self.grads.mark_consumed(block)
+
+    def _update_pinned(
+        self,
+        block: int,
+        span: tuple[int, int],
+        flats: dict[str, Tensor],
+        plan: list[tuple[_GroupHparams, list[tuple[int, int, list[int]]], set[int]]],
+        clip: _Clip,
+    ) -> None:
+        """Update the parts of ``plan``'s runs inside ``span``, whose buffers (by kind) are ``flats``."""
+        lo, hi = span
+        steps = self._steps[block]
+        q = self._quantized[block]  # elements [0, q) have quantized moments, [q, numel) fp32 ones
+        origins = {kind: self.store.kind_span(block, kind, span)[0] for kind in flats}
+
+        def part(kind: str, a: int, b: int) -> Tensor:
+            start, stop = self.store.kind_span(block, kind, (a, b))
+            return flats[kind][start - origins[kind] : stop - origins[kind]]
+
+        for h, runs, fresh in plan:
+            # (start, end, members, on its first step) of each run's part in this chunk
+            parts = [
+                (max(a, lo), min(b, hi), members, a in fresh) for a, b, members in runs if a < hi and b > lo
+            ]
+            if not parts:
                 continue
-            grads = [flats["grad"][a:b] for a, b, _ in runs]
+            grads = [part("grad", a, b) for a, b, _, _ in parts]
             if clip.value is not None:
                 self._clamp(grads, clip.value)
             if clip.coef is not None:
                 torch._foreach_mul_(grads, clip.coef)
-            h = hparams[group]
-            self._start_fresh(block, flats, [run for run in runs if steps[run[2][0]] == 0])
-            fp32 = [(run, grad) for run, grad in zip(runs, grads, strict=True) if run[0] >= q]
+            for a, b, _, first in parts:
+                if first:  # like a new torch optimizer's moments, whatever the store still holds
+                    for kind in FP32_MOMENTS if a >= q else _CODES:
+                        part(kind, a, b).zero_()  # zero codes and scales decode to zero moments
+            fp32 = [(run, grad) for run, grad in zip(parts, grads, strict=True) if run[0] >= q]
             if fp32:
                 adam(
-                    [flats["param"][a:b] for (a, b, _), _ in fp32],
+                    [part("param", a, b) for (a, b, _, _), _ in fp32],
                     [grad for _, grad in fp32],
-                    [flats["exp_avg"][a - q : b - q] for (a, b, _), _ in fp32],
-                    [flats["exp_avg_sq"][a - q : b - q] for (a, b, _), _ in fp32],
+                    [part("exp_avg", a, b) for (a, b, _, _), _ in fp32],
+                    [part("exp_avg_sq", a, b) for (a, b, _, _), _ in fp32],
                     [],
-                    [torch.tensor(float(steps[members[0]])) for (_, _, members), _ in fp32],
+                    [torch.tensor(float(steps[members[0]])) for (_, _, members, _), _ in fp32],
                     foreach=h.foreach,
                     fused=h.fused,
                     decoupled_weight_decay=self.decoupled_weight_decay,
@@ -358,13 +397,12 @@ class CPUAdamW(Optimizer):
                     eps=h.eps,
                     maximize=h.maximize,
                 )
-            for (a, b, members), grad in zip(runs, grads, strict=True):
+            for (a, b, members, _), grad in zip(parts, grads, strict=True):
                 if a < q:
-                    where = codecs.state_slices(a, b, self._bits)
                     quantized_adamw_(
-                        flats["param"][a:b],
+                        part("param", a, b),
                         grad,
-                        *(flats[kind][w] for kind, w in zip(_CODES, where, strict=True)),
+                        *(part(kind, a, b) for kind in _CODES),
                         bits=self._bits,
                         step=steps[members[0]] + 1,
                         lr=h.lr,
@@ -375,23 +413,6 @@ class CPUAdamW(Optimizer):
                         decoupled_weight_decay=self.decoupled_weight_decay,
                         maximize=h.maximize,
                     )
-            for _, _, members in runs:
-                for i in members:
-                    steps[i] += 1
-
-    def _start_fresh(
-        self, block: int, flats: dict[str, Tensor], runs: list[tuple[int, int, list[int]]]
-    ) -> None:
-        """Zero the moments of parameters on their first step: like a new torch optimizer's, whatever the
-        store still holds from an earlier optimizer (a second ``fit``) or a partial ``load_state_dict``."""
-        q = self._quantized[block]
-        for a, b, _ in runs:
-            if a >= q:
-                for kind in FP32_MOMENTS:
-                    flats[kind][a - q : b - q].zero_()
-            else:  # zero codes and scales decode to zero moments; a run's codes and scales are its own
-                for kind, where in zip(_CODES, codecs.state_slices(a, b, self._bits), strict=True):
-                    flats[kind][where].zero_()
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
         """Neighbouring parameters with equal step counts and fp32 moments, merged: ``(start, end,

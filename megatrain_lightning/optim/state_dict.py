@@ -7,6 +7,7 @@ they were stored by (``"codec"``: compression and ``codecs.FORMAT_VERSION``), wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.layout import Block
 
 if TYPE_CHECKING:
     from megatrain_lightning.optim.adamw import CPUAdamW
@@ -135,14 +137,27 @@ def check_codec(compression: str, saved: dict[str, Any] | None) -> None:
 
 def define_kinds(store: HostStore, quantized: list[int], bits: int | None) -> None:
     """The store kinds holding the moments: fp32 ``exp_avg``/``exp_avg_sq`` past each block's quantized
-    region (``quantized[block]`` elements), and with ``bits`` the codes and scales before it."""
+    region (``quantized[block]`` elements), and with ``bits`` the codes and scales before it; each with the
+    part of it that a range of the block's elements owns (the store's chunks)."""
+
+    def fp32_span(b: Block, start: int, stop: int) -> tuple[int, int]:
+        q = quantized[b.index]
+        return max(start, q) - q, max(stop, q) - q
+
+    def quantized_span(which: int) -> Callable[[Block, int, int], tuple[int, int]]:
+        def span(b: Block, start: int, stop: int) -> tuple[int, int]:
+            q = quantized[b.index]
+            where = codecs.state_slices(min(start, q), min(stop, q), bits)[which]
+            return where.start, where.stop
+
+        return span
+
     for kind in FP32_MOMENTS:
-        store.define_kind(kind, torch.float32, lambda b: b.numel - quantized[b.index])
+        store.define_kind(kind, torch.float32, lambda b: b.numel - quantized[b.index], fp32_span)
     if bits:
-        for m in ("m", "v"):
-            store.define_kind(
-                f"{m}_codes", torch.uint8, lambda b, m=m: codecs.code_bytes(quantized[b.index], m, bits)
-            )
-            store.define_kind(
-                f"{m}_scales", torch.float32, lambda b, m=m: codecs.num_scales(quantized[b.index], m, bits)
-            )
+        sizes = {"codes": (torch.uint8, codecs.code_bytes), "scales": (torch.float32, codecs.num_scales)}
+        for which, kind in enumerate(("m_codes", "m_scales", "v_codes", "v_scales")):  # state_slices' order
+            moment, part = kind.split("_")
+            dtype, size = sizes[part]
+            numel = lambda b, m=moment, size=size: size(quantized[b.index], m, bits)  # noqa: E731
+            store.define_kind(kind, dtype, numel, quantized_span(which))

@@ -45,28 +45,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.slots import mixed_fp32_numels
-from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
-from megatrain_lightning.store.sizing import staging_bytes, working_blocks
+from megatrain_lightning.store.sizing import STATE_BYTES, min_cache_bytes, staging_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES = 4.0  # fp32 master weights in the store
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
-# Adam m and v per parameter: fp32, or the block-quantized formats' codes and scales (codecs.FORMATS)
-STATE_BYTES = {
-    name: 8.0 if bits is None else codecs.state_bytes(1 << 20, bits) / (1 << 20)
-    for name, bits in OPTIMIZER_COMPRESSIONS.items()
-}
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
 MIN_SLOTS = 2  # one block computing while the next one is fetched
-# Disk tier: fp32 blocks of one kind held in RAM beyond one per slot (the strategy's working set with
-# one optimizer thread).
-WORKING_BLOCKS = working_blocks(num_slots=0, optimizer_threads=1)
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
-PRESETS = ("tiny", "170m", "1b", "7b", "70b")
+PRESETS = ("tiny", "170m", "1b", "3b", "7b", "70b")
 
 
 @dataclass(frozen=True)
@@ -322,7 +313,6 @@ def _megatrain_row(
 ) -> Row:
     n = shape.num_params
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
-    block = MASTER_BYTES * shape.largest_block  # one kind (weights, gradient, m or v) of the largest block
     staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
     num_slots = min(max(int((vram - act) // slot), 0), shape.num_blocks)
     gpu_need = MIN_SLOTS * slot + act
@@ -330,9 +320,8 @@ def _megatrain_row(
         tier, cache, host_need, disk_need = "host", store, store + staging, 0.0
     else:
         tier, disk_need = "disk", store
-        num_slots = min(num_slots, max(int((ram - staging) // block) - WORKING_BLOCKS, 0))
         cache = max(min(ram - staging, store), 0.0)
-        host_need = (MIN_SLOTS + WORKING_BLOCKS) * block + staging
+        host_need = min_cache_bytes(shape.largest_block) + staging  # the store chunks in use at once
     fits = num_slots >= 1 and gpu_need <= vram and host_need <= ram and disk_need <= disk
     # What the chosen settings use; where they do not fit, the least megatrain needs.
     gpu, host = (num_slots * slot + act, cache + staging) if fits else (gpu_need, host_need)
@@ -341,9 +330,25 @@ def _megatrain_row(
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
     fetches = 1 if num_slots >= shape.num_blocks else 2 * micro
     link_s = (fetches * cd + micro * GRAD_BYTES) * n / (machine.pcie_gbps * GB)
-    disk_s = 2 * (store - cache) / (machine.disk_gbps * GB)
+    disk_s = (
+        sum(disk_traffic(shape, compression, micro, cache)) / (machine.disk_gbps * GB)
+        if tier == "disk"
+        else 0.0
+    )
     settings = Settings(tier, num_slots, max(num_slots - 1, 1), cache / GB, num_slots * slot / GB)
     return _row(f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, settings)
+
+
+def disk_traffic(
+    shape: ModelShape, compression: str, micro_batches: int, cache: float
+) -> tuple[float, float]:
+    """Bytes the disk tier reads and writes per step, at least: the weights for the forward and the
+    backward of each micro-batch and m and v once, less the share of them the cache keeps; the updated
+    weights, m and v written once (write-back follows each update). Gradients never reach the disk."""
+    weights = MASTER_BYTES * shape.num_params
+    state = STATE_BYTES[compression] * shape.num_params
+    uncached = 1 - min(1.0, cache / (weights + state))
+    return uncached * (2 * micro_batches * weights + state), weights + state
 
 
 def _row(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatrain_lightning.planner.plan import RESERVE, Plan, recommend
+from megatrain_lightning.store.sizing import min_cache_bytes
 
 
 def _gb(value: float) -> str:
@@ -80,6 +81,8 @@ def format_plan(plan: Plan) -> str:
         if i == 0:
             lines.append("  ".join("-" * wd for wd in widths))
     lines += ["", *LEGEND]
+    least = min_cache_bytes(m.largest_block)
+    lines += ["", f"disk tier: `max_cpu_gb` >= {_gb(least / 1e9)} GB (the store chunks in use at once)."]
     best = recommend(plan)
     lines.append("")
     if best is None or best.settings is None:

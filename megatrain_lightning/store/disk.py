@@ -1,15 +1,19 @@
 """The disk tier of the store: every block's buffers live in files under ``offload_dir``; host RAM
 holds a bounded cache of them (``max_cpu_gb``).
 
-Files: one preallocated file per kind (``param.bin``, ``exp_avg.bin``, ...) with each block at a
-page-aligned offset, a ``manifest.json`` describing the layout, and a lock so two runs cannot
-share the folder. Cache: regions of one host buffer (:mod:`megatrain_lightning.store.arena`), one per
-(block, kind), pinned while in use; eviction frees the region whose contents are needed farthest in
-the future (Belady: ``hint`` ranks each block's weights, gradients and optimizer state by the
-trace's next use of that kind, and ``claim`` puts a submitted update's first), never a pinned one,
-and writes dirty ones back first. ``hint`` also loads ahead in that order as far as the cache
-allows without evicting anything needed sooner. Updated blocks are written back as soon as their
-update is done; consumed gradients are dropped without being written.
+Files: one preallocated file per kind (``param.bin``, ``exp_avg.bin``, ...) with each chunk of each
+block at a page-aligned offset, a ``manifest.json`` describing the layout, and a lock so two runs
+cannot share the folder. Cache: regions of one host buffer (:mod:`megatrain_lightning.store.arena`),
+one per (block, kind, chunk), pinned while in use; eviction frees the region whose contents are needed
+farthest in the future (Belady: ``hint`` ranks each block's weights, gradients and optimizer state by
+the trace's next use of that kind, and ``claim`` puts a submitted update's chunks first, in order),
+never a pinned one, and writes dirty ones back first. The cache loads ahead in that order as far as it
+can without evicting anything needed sooner, again whenever a chunk is released. Updated chunks are
+written back as soon as their update is done; consumed gradients are dropped without being written.
+
+Because the unit is a chunk, the RAM the hot paths need is a few chunks per thread whatever the block
+size. Pinning a range that spans several chunks (a whole block, for checkpoints and loading) gathers it
+into a buffer of its own outside the cache, and scatters it back when written.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from megatrain_lightning.engine.futures import fresh_copy, result_of
@@ -39,13 +44,18 @@ from megatrain_lightning.store.io import (
     lock_directory,
 )
 from megatrain_lightning.store.layout import Block
-from megatrain_lightning.store.memory import ALIGNMENT, pages
+from megatrain_lightning.store.memory import ALIGNMENT, host_empty, pages
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 STORE_DIRNAME = "megatrain_store"
 _NEVER = float("inf")
 _STALL_TIMEOUT_S = 120.0
+
+Key = tuple[int, str, int]  # (block, kind, chunk)
+# Gradient sums reach the disk only when the cache must evict them before their update used them: their
+# files are sparse (space taken as written), so a run without accumulation needs no room for them.
+SPARSE_KINDS = frozenset({"grad", "grad_pass"})
 
 
 @dataclass(eq=False)
@@ -90,18 +100,20 @@ class DiskStore(HostStore):
         keep: bool = False,
     ) -> None:
         """``kinds`` get their files now; any other kind on its first write-back."""
-        super().__init__(blocks, pin_memory, stats)
-        self.directory = os.path.join(offload_dir, STORE_DIRNAME)
         self.io = io or IOConfig()
+        super().__init__(blocks, pin_memory, stats, self.io.chunk_numel)
+        self.directory = os.path.join(offload_dir, STORE_DIRNAME)
         os.makedirs(self.directory, exist_ok=True)
         self._lock_fd = lock_directory(self.directory)
         self._cond = threading.Condition()
         self._arena = Arena(cache_bytes, pin_memory)
-        self._entries: dict[tuple[int, str], _Entry] = {}
-        self._on_disk: set[tuple[int, str]] = set()  # regions holding data (others read as zeros)
+        self._entries: dict[Key, _Entry] = {}
+        self._on_disk: set[Key] = set()  # regions holding data (others read as zeros)
+        self._chunks = [self.spans(b) for b in range(len(blocks))]
         self._future: dict[tuple[int, str], int] = {}  # (block, kind) -> rank of its next predicted use
+        self._ahead = 0  # how far into ``_future`` everything on disk is cached (or was, when predicted)
         # Needed before anything the trace predicts (submitted updates), in order of submission.
-        self._claimed: dict[tuple[int, str], int] = {}
+        self._claimed: dict[Key, int] = {}
         self._claims = itertools.count()
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
         # A failed read, read ahead or not: this run stops at its next pin (the files are whole: the next
@@ -109,7 +121,7 @@ class DiskStore(HostStore):
         self._read_failure: StoreIOError | None = None
         self._workers = ThreadPoolExecutor(self.io.threads, thread_name_prefix="megatrain-io")
         self._files: dict[str, BlockFile] = {}
-        self._offsets: dict[str, list[int]] = {}
+        self._offsets: dict[str, list[list[int]]] = {}  # kind -> block -> chunk -> file offset
         for kind in kinds:
             self._open(kind)
         self._write_manifest()
@@ -135,25 +147,95 @@ class DiskStore(HostStore):
     # -- the store API --
 
     @contextlib.contextmanager
-    def pinned(self, block: int, kind: str, write: bool = False) -> Iterator[Tensor]:
-        with self.pinned_all(block, (kind,), write) as flats:
+    def pinned(
+        self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
+    ) -> Iterator[Tensor]:
+        with self.pinned_all(block, (kind,), write, span) as flats:
             yield flats[kind]
 
     @contextlib.contextmanager
     def pinned_all(
-        self, block: int, kinds: Iterable[str], write: bool = False
+        self, block: int, kinds: Iterable[str], write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[dict[str, Tensor]]:
-        """Pins all of ``kinds`` at once: a thread never holds some while it waits for room for the
-        others (two updates could each hold what the other needs). What is pinned is needed now:
-        it ranks after the claims made earlier and before everything the trace predicts."""
+        """Within one chunk: views of the cached chunks of all ``kinds``, pinned at once. Across chunks: a
+        gathered copy (outside the cache), scattered back chunk by chunk if ``write``. A read waits for the
+        block's announced change."""
         if not write:
             self.wait_for_change(block)
-        keys = [(block, kind) for kind in kinds]
+        kinds = list(kinds)
+        chunks = self._chunks_in(block, span)
+        if len(chunks) > 1:
+            flats = self._gather(block, kinds, span)
+            yield flats
+            if write:
+                self._scatter(block, flats, span)
+            return
+        (chunk,) = chunks
+        with self._pinned_keys([(block, kind, chunk) for kind in kinds], write) as bufs:
+            yield {
+                kind: self._part(block, kind, chunk, span, buf) for kind, buf in zip(kinds, bufs, strict=True)
+            }
+
+    def _chunks_in(self, block: int, span: tuple[int, int] | None) -> list[int]:
+        """The chunks of ``block`` that ``span`` (``None``: all of it) overlaps; an empty span, the one it
+        is in."""
+        spans = self._chunks[block]
+        if span is None:
+            return list(range(len(spans)))
+        start, stop = span
+        first = min(start // self.chunk_numel, len(spans) - 1)
+        last = max(first, min(-(-stop // self.chunk_numel), len(spans)) - 1)
+        return list(range(first, last + 1))
+
+    def _part(self, block: int, kind: str, chunk: int, span: tuple[int, int] | None, buf: Tensor) -> Tensor:
+        """The part of ``kind``'s cached ``chunk`` that block elements ``span`` own."""
+        if span is None:
+            return buf
+        origin = self.kind_span(block, kind, self._chunks[block][chunk])[0]
+        start, stop = self.kind_span(block, kind, span)
+        return buf[start - origin : stop - origin]
+
+    def _overlaps(
+        self, block: int, kind: str, span: tuple[int, int] | None
+    ) -> Iterator[tuple[int, slice, slice]]:
+        """Per chunk that ``span`` overlaps: the chunk, and the overlap as slices of the span's ``kind``
+        range and of the chunk's."""
+        start, stop = self.kind_span(block, kind, span)
+        for chunk in self._chunks_in(block, span):
+            lo, hi = self.kind_span(block, kind, self._chunks[block][chunk])
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                yield chunk, slice(a - start, b - start), slice(a - lo, b - lo)
+
+    def _gather(self, block: int, kinds: list[str], span: tuple[int, int] | None) -> dict[str, Tensor]:
+        flats = {}
+        for kind in kinds:
+            start, stop = self.kind_span(block, kind, span)
+            flat = flats[kind] = host_empty(stop - start, self.layout(block, kind)[0])
+            for chunk, mine, theirs in self._overlaps(block, kind, span):
+                with self._pinned_keys([(block, kind, chunk)], False) as (buf,):
+                    flat[mine].copy_(buf[theirs])
+        return flats
+
+    def _scatter(self, block: int, flats: dict[str, Tensor], span: tuple[int, int] | None) -> None:
+        for kind, flat in flats.items():
+            for chunk, mine, theirs in self._overlaps(block, kind, span):
+                with self._pinned_keys([(block, kind, chunk)], True) as (buf,):
+                    buf[theirs].copy_(flat[mine])
+
+    @contextlib.contextmanager
+    def _pinned_keys(self, keys: list[Key], write: bool) -> Iterator[list[Tensor]]:
+        """Pins all of ``keys`` at once: a thread never holds some while it waits for room for the
+        others (two updates could each hold what the other needs). What is pinned is needed now:
+        it ranks after the claims made earlier and before everything the trace predicts."""
         me = threading.get_ident()
         with self._cond:
             for failure in (self._failure, self._read_failure):
                 if failure is not None:
                     raise fresh_copy(failure)
+            # A claim made before a write stays until ``written``/``discard`` (a gradient sum whose update
+            # follows stays cached until that update used it); the rest end with this pin.
+            kept = {key for key in keys if write and key in self._claimed}
             for key in keys:
                 self._claimed.setdefault(key, self._claim_rank())
             while missing := [key for key in keys if key not in self._entries]:
@@ -161,13 +243,14 @@ class DiskStore(HostStore):
             entries = [self._entries[key] for key in keys]
             for key, entry in zip(keys, entries, strict=True):
                 entry.holders.append(me)
-                self._claimed.pop(key, None)
+                if key not in kept:
+                    self._claimed.pop(key, None)
         try:
             for entry in entries:
                 for future in (entry.ready, entry.writing if write else None):
                     if future is not None:
                         result_of(future)  # a failed load or write-back raises here
-            yield {kind: entry.buf for (_, kind), entry in zip(keys, entries, strict=True)}
+            yield [entry.buf for entry in entries]
         finally:
             with self._cond:
                 for key, entry in zip(keys, entries, strict=True):
@@ -177,28 +260,37 @@ class DiskStore(HostStore):
                             self._evict(key, entry)
                     else:
                         entry.dirty |= write
+                self._load_ahead()
                 self._cond.notify_all()
 
     def read(self, block: int, kind: str) -> Tensor:
+        if len(self._chunks[block]) > 1:
+            self.wait_for_change(block)
+            return self._gather(block, [kind], None)[kind]
         with self.pinned(block, kind) as buf:
             return buf.clone()
 
-    def written(self, block: int, kinds: Iterable[str]) -> None:
+    def written(self, block: int, kinds: Iterable[str], span: tuple[int, int] | None = None) -> None:
         with self._cond:
             for kind in kinds:
-                entry = self._entries.get((block, kind))
-                if entry is not None and entry.dirty and not entry.pins:
-                    self._write_back((block, kind), entry)
+                for chunk in self._chunks_in(block, span):
+                    key = (block, kind, chunk)
+                    self._claimed.pop(key, None)
+                    entry = self._entries.get(key)
+                    if entry is not None and entry.dirty and not entry.pins:
+                        self._write_back(key, entry)
 
-    def discard(self, block: int, kind: str) -> None:
-        key = (block, kind)
+    def discard(self, block: int, kind: str, span: tuple[int, int] | None = None) -> None:
         with self._cond:
-            self._on_disk.discard(key)
-            entry = self._entries.get(key)
-            if entry is not None and not entry.pins and not entry.busy:
-                self._evict(key, entry)
-            elif entry is not None:
-                entry.dirty = False
+            for chunk in self._chunks_in(block, span):
+                key = (block, kind, chunk)
+                self._on_disk.discard(key)
+                self._claimed.pop(key, None)
+                entry = self._entries.get(key)
+                if entry is not None and not entry.pins and not entry.busy:
+                    self._evict(key, entry)
+                elif entry is not None:
+                    entry.dirty = False
             self._cond.notify_all()
 
     def hint(self, future: Iterable[tuple[int, tuple[str, ...]]]) -> None:
@@ -209,21 +301,17 @@ class DiskStore(HostStore):
             for rank, (block, kinds) in enumerate(future):
                 for kind in kinds:
                     self._future.setdefault((block, kind), rank)
-            for key in self._future:  # inserted in rank order
-                if key in self._entries or key not in self._on_disk:
-                    continue
-                if self._admit(key, demand=False) is None:
-                    return
+            self._ahead = 0
+            self._load_ahead()
 
     def claim(self, block: int, kinds: Iterable[str]) -> None:
-        """``kinds`` of ``block`` are pinned next, before anything the trace predicts (a submitted update):
-        load them now and keep them until then."""
+        """``kinds`` of ``block`` are pinned next, chunk by chunk, before anything the trace predicts (a
+        submitted update): load them as the cache allows and keep them until then."""
         with self._cond:
-            for kind in kinds:
-                key = (block, kind)
-                self._claimed[key] = self._claim_rank()
-                if key not in self._entries and key in self._on_disk:
-                    self._admit(key, demand=False)
+            for chunk in range(len(self._chunks[block])):
+                for kind in kinds:
+                    self._claimed[(block, kind, chunk)] = self._claim_rank()
+            self._load_ahead()
 
     def forget_read_failures(self) -> None:
         with self._cond:
@@ -257,14 +345,36 @@ class DiskStore(HostStore):
 
     # -- cache internals (lock held) --
 
-    def _admit(
-        self, key: tuple[int, str], demand: bool, keep: frozenset[tuple[int, str]] = frozenset()
-    ) -> _Entry | None:
+    def _load_ahead(self) -> None:
+        """Load what is needed next, in rank order (claims, then the trace's predictions), while the cache
+        has room that nothing needed sooner occupies."""
+        for key in sorted(self._claimed, key=self._claimed.__getitem__):
+            if key not in self._entries and key in self._on_disk and self._admit(key, demand=False) is None:
+                return
+        predicted = list(self._future)
+        while self._ahead < len(predicted):
+            block, kind = predicted[self._ahead]
+            for chunk in range(len(self._chunks[block])):
+                key = (block, kind, chunk)
+                if (
+                    key not in self._entries
+                    and key in self._on_disk
+                    and self._admit(key, demand=False) is None
+                ):
+                    return
+            self._ahead += 1
+
+    def _chunk_bytes(self, key: Key) -> tuple[torch.dtype, int]:
+        block, kind, chunk = key
+        start, stop = self.kind_span(block, kind, self._chunks[block][chunk])
+        dtype = self.layout(block, kind)[0]
+        return dtype, (stop - start) * dtype.itemsize
+
+    def _admit(self, key: Key, demand: bool, keep: frozenset[Key] = frozenset()) -> _Entry | None:
         """A cache entry for ``key``, loading it from disk if it has data there. For a prefetch
         (``demand=False``) only if nothing needed sooner has to leave; ``None`` otherwise. ``keep``: entries
         that must stay (the others a ``pinned_all`` is gathering)."""
-        dtype, numel = self.layout(*key)
-        nbytes = numel * dtype.itemsize
+        dtype, nbytes = self._chunk_bytes(key)
         size = pages(nbytes)
         offset = self._make_room(size, self._rank(key), demand, keep)
         if offset is None:
@@ -282,16 +392,14 @@ class DiskStore(HostStore):
         self.stats.peak_host_cache_bytes = max(self.stats.peak_host_cache_bytes, self._arena.used)
         return entry
 
-    def _rank(self, key: tuple[int, str]) -> float:
+    def _rank(self, key: Key) -> float:
         claimed = self._claimed.get(key)
-        return claimed if claimed is not None else self._future.get(key, _NEVER)
+        return claimed if claimed is not None else self._future.get(key[:2], _NEVER)
 
     def _claim_rank(self) -> int:
         return next(self._claims) - (1 << 62)  # below every trace position, in order of claiming (exact ints)
 
-    def _make_room(
-        self, size: int, rank: float, demand: bool, keep: frozenset[tuple[int, str]]
-    ) -> int | None:
+    def _make_room(self, size: int, rank: float, demand: bool, keep: frozenset[Key]) -> int | None:
         """The offset of a free region of ``size`` bytes, evicting (Belady) to make one, but only what is
         needed later than ``rank``. A prefetch gives up (``None``) rather than wait, and evicts only clean
         entries (a gradient spilled to make room for a guess is mostly consumed before it would have been
@@ -334,8 +442,8 @@ class DiskStore(HostStore):
         return any(e.busy or any(h != me for h in e.holders) for e in self._entries.values())
 
     def _best_window(
-        self, size: int, rank: float, keep: frozenset[tuple[int, str]], clean_only: bool = False
-    ) -> tuple[int, list[tuple[tuple[int, str], _Entry]]] | None:
+        self, size: int, rank: float, keep: frozenset[Key], clean_only: bool = False
+    ) -> tuple[int, list[tuple[Key, _Entry]]] | None:
         """The ``size``-byte range of the arena whose eviction hurts least: all of its entries idle and
         needed later than ``rank``, the soonest needed of them as late as possible (Belady); then
         clean, then small."""
@@ -359,8 +467,8 @@ class DiskStore(HostStore):
         return best
 
     def _evictable_from(
-        self, segments: list, end: int, rank: float, keep: frozenset[tuple[int, str]], clean_only: bool
-    ) -> list[tuple[tuple[int, str], _Entry]] | None:
+        self, segments: list, end: int, rank: float, keep: frozenset[Key], clean_only: bool
+    ) -> list[tuple[Key, _Entry]] | None:
         """The entries among ``segments`` that start before ``end``, or ``None`` if one may not leave."""
         victims = []
         for start, _, item in segments:
@@ -375,23 +483,23 @@ class DiskStore(HostStore):
             victims.append(item)
         return victims
 
-    def _evict(self, key: tuple[int, str], entry: _Entry) -> None:
+    def _evict(self, key: Key, entry: _Entry) -> None:
         del self._entries[key]
         self._arena.release(entry.offset, entry.size)
 
-    def _write_back(self, key: tuple[int, str], entry: _Entry) -> None:
+    def _write_back(self, key: Key, entry: _Entry) -> None:
         if entry.dirty and not entry.busy:
             entry.dirty = False
             entry.writing = self._workers.submit(self._write, key, entry)
 
     # -- I/O (worker threads, lock not held) --
 
-    def _read(self, key: tuple[int, str], entry: _Entry) -> None:
-        block, kind = key
+    def _read(self, key: Key, entry: _Entry) -> None:
+        block, kind, chunk = key
         file = self._files[kind]
         start = time.perf_counter()
         try:
-            file.read(self._offsets[kind][block], entry.raw)
+            file.read(self._offsets[kind][block][chunk], entry.raw)
         except OSError as err:
             failure = io_error(err, file.path, "reading")
             with self._cond:
@@ -402,12 +510,12 @@ class DiskStore(HostStore):
         TIMELINE.record("disk", start, time.perf_counter())
         self.stats.add(disk_read_s=time.perf_counter() - start, disk_read_bytes=entry.raw.numel())
 
-    def _write(self, key: tuple[int, str], entry: _Entry) -> None:
-        block, kind = key
+    def _write(self, key: Key, entry: _Entry) -> None:
+        block, kind, chunk = key
         file = self._files.get(kind) or self._open(kind)
         start = time.perf_counter()
         try:
-            file.write(self._offsets[kind][block], entry.raw)
+            file.write(self._offsets[kind][block][chunk], entry.raw)
             with self._cond:
                 self._on_disk.add(key)
         except OSError as err:
@@ -432,11 +540,12 @@ class DiskStore(HostStore):
                 return self._files[kind]
             offsets, end = [], 0
             for block in range(len(self.blocks)):
-                dtype, numel = self.layout(block, kind)
-                offsets.append(end)
-                end += pages(numel * dtype.itemsize)
+                offsets.append([])
+                for chunk in range(len(self._chunks[block])):
+                    offsets[-1].append(end)
+                    end += pages(self._chunk_bytes((block, kind, chunk))[1])
             path = os.path.join(self.directory, f"{kind}.bin")
-            self._files[kind] = BlockFile(path, max(end, ALIGNMENT), self.io)
+            self._files[kind] = BlockFile(path, max(end, ALIGNMENT), self.io, sparse=kind in SPARSE_KINDS)
             self._offsets[kind] = offsets
             return self._files[kind]
 
@@ -447,6 +556,7 @@ class DiskStore(HostStore):
                 {
                     "name": b.name,
                     "numel": b.numel,
+                    "chunks": self._chunks[b.index],
                     "params": [[p.name, list(p.shape), p.offset] for p in b.params],
                 }
                 for b in self.blocks

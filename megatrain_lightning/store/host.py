@@ -6,6 +6,10 @@ Everything that reads or writes a block's numbers goes through ``pinned``, so th
 (:class:`megatrain_lightning.store.disk.DiskStore`) only changes where these buffers live and when
 they move. In this host tier every buffer stays in RAM for the store's whole life.
 
+A block's buffers are also cut into *chunks* (``spans``: the same element ranges for every kind), the unit
+the disk tier caches, reads and writes: callers on the hot path (fetch, gradient add, update) pin one
+``span`` at a time, so the memory they need is a few chunks, whatever the block size.
+
 The store also keeps the rule that makes asynchronous updates safe: whoever is about to change a
 block's weights says so first (``will_change``, with the future of an update running elsewhere).
 That moves the block's ``version`` on, so every copy taken before (a device slot) knows it is stale,
@@ -26,7 +30,7 @@ from torch import Tensor
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import result_of
-from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.layout import CHUNK_NUMEL, Block, chunk_spans
 from megatrain_lightning.store.memory import host_empty
 from megatrain_lightning.telemetry.stats import EngineStats
 
@@ -39,24 +43,43 @@ class HostStore:
     drops_discarded = False  # whether ``discard`` loses the contents (the disk tier's cache does)
 
     def __init__(
-        self, blocks: list[Block], pin_memory: bool = False, stats: EngineStats | None = None
+        self,
+        blocks: list[Block],
+        pin_memory: bool = False,
+        stats: EngineStats | None = None,
+        chunk_numel: int = CHUNK_NUMEL,
     ) -> None:
         self.blocks = blocks
+        self.chunk_numel = chunk_numel
         self.pin_memory = pin_memory
         self.stats = stats or EngineStats()
         self._buffers: dict[tuple[int, str], Tensor] = {}
-        self._kinds: dict[str, tuple[torch.dtype, Callable[[Block], int]]] = {}
+        self._kinds: dict[str, tuple[torch.dtype, Callable[[Block], int], Span]] = {}
         self._lock = threading.Lock()
         self._versions = [0] * len(blocks)
         self._changes: dict[int, Future] = {}  # block -> the update changing it (kept once done)
 
-    def define_kind(self, kind: str, dtype: torch.dtype, numel: Callable[[Block], int]) -> None:
-        """Buffers of ``kind`` hold ``numel(block)`` elements of ``dtype`` (default: fp32, block layout)."""
-        self._kinds[kind] = (dtype, numel)
+    def define_kind(
+        self, kind: str, dtype: torch.dtype, numel: Callable[[Block], int], span: Span | None = None
+    ) -> None:
+        """Buffers of ``kind`` hold ``numel(block)`` elements of ``dtype`` (default: fp32, block layout);
+        ``span(block, start, stop)`` is the range of them that block elements ``[start, stop)`` own
+        (default: the same range). Over a block's ``spans`` these ranges must cover the buffer in order."""
+        self._kinds[kind] = (dtype, numel, span or _same_span)
 
     def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
-        dtype, numel = self._kinds.get(kind, (torch.float32, lambda b: b.numel))
+        dtype, numel, _ = self._kinds.get(kind, _FP32)
         return dtype, numel(self.blocks[block])
+
+    def spans(self, block: int) -> list[tuple[int, int]]:
+        """``block``'s chunks: consecutive element ranges of at most ``chunk_numel`` covering it."""
+        return chunk_spans(self.blocks[block].numel, self.chunk_numel)
+
+    def kind_span(self, block: int, kind: str, span: tuple[int, int] | None) -> tuple[int, int]:
+        """The range of ``kind``'s buffer that block elements ``span`` (``None``: all) own."""
+        if span is None:
+            return 0, self.layout(block, kind)[1]
+        return self._kinds.get(kind, _FP32)[2](self.blocks[block], *span)
 
     def will_change(self, block: int, done: Future | None = None) -> None:
         """``block``'s weights are about to change: copies taken before are stale from now on, and until
@@ -95,12 +118,16 @@ class HostStore:
                     del self._changes[block]
 
     @contextlib.contextmanager
-    def pinned(self, block: int, kind: str, write: bool = False) -> Iterator[Tensor]:
-        """The flat buffer of ``kind`` for ``block`` (zeros until first written), held for the context.
-        A read waits for the block's announced change; a writer is the change, or ordered after it."""
+    def pinned(
+        self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
+    ) -> Iterator[Tensor]:
+        """The flat buffer of ``kind`` for ``block`` (zeros until first written), or the part of it that
+        block elements ``span`` own, held for the context. A read waits for the block's announced change;
+        a writer is the change, or ordered after it."""
         if not write:
             self.wait_for_change(block)
-        yield self._buffer(block, kind)
+        start, stop = self.kind_span(block, kind, span)
+        yield self._buffer(block, kind)[start:stop]
 
     @contextlib.contextmanager
     def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
@@ -114,22 +141,24 @@ class HostStore:
 
     @contextlib.contextmanager
     def pinned_all(
-        self, block: int, kinds: Iterable[str], write: bool = False
+        self, block: int, kinds: Iterable[str], write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[dict[str, Tensor]]:
         """``pinned`` for several kinds of ``block`` at once (what an update uses), by kind."""
         with contextlib.ExitStack() as stack:
-            yield {kind: stack.enter_context(self.pinned(block, kind, write)) for kind in kinds}
+            yield {kind: stack.enter_context(self.pinned(block, kind, write, span)) for kind in kinds}
 
     def read(self, block: int, kind: str) -> Tensor:
         """The current contents, for callers that keep them (state dicts): the buffer itself here."""
         self.wait_for_change(block)
         return self._buffer(block, kind)
 
-    def written(self, block: int, kinds: Iterable[str]) -> None:
-        """``kinds`` of ``block`` changed outside ``pinned(write=True)`` bookkeeping (nothing to do here)."""
+    def written(self, block: int, kinds: Iterable[str], span: tuple[int, int] | None = None) -> None:
+        """``kinds`` of ``block`` (of the chunk ``span``) changed: the disk tier writes them back (nothing
+        to do here)."""
 
-    def discard(self, block: int, kind: str) -> None:
-        """The contents of ``kind`` are no longer needed (a consumed gradient): kept allocated here."""
+    def discard(self, block: int, kind: str, span: tuple[int, int] | None = None) -> None:
+        """The contents of ``kind`` (of the chunk ``span``) are no longer needed (a consumed gradient):
+        kept allocated here."""
 
     def hint(self, future: Iterable[tuple[int, tuple[str, ...]]]) -> None:
         """The predicted coming accesses, in order, each a block and the kinds it will use; a tier
@@ -174,3 +203,13 @@ class HostStore:
                     buf = host_empty(numel, dtype, pinned)  # zeros: fresh pages
                     self._buffers[key] = buf
         return buf
+
+
+Span = Callable[[Block, int, int], tuple[int, int]]
+
+
+def _same_span(block: Block, start: int, stop: int) -> tuple[int, int]:
+    return start, stop
+
+
+_FP32 = (torch.float32, lambda b: b.numel, _same_span)

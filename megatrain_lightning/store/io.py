@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from megatrain_lightning.engine.chaos import point
+from megatrain_lightning.store.layout import chunk_numel_for
 
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
@@ -27,15 +28,21 @@ class StoreIOError(OSError):
 
 @dataclass(frozen=True)
 class IOConfig:
-    chunk_bytes: int = 8 << 20  # per preadv/pwritev call
+    chunk_bytes: int = 16 << 20  # the store's chunk of a block (in fp32 bytes), and per preadv/pwritev call
     threads: int = 4  # blocks in flight at once (the queue depth, in blocks)
     direct: bool = True  # O_DIRECT where the filesystem allows it
 
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of a block per store chunk."""
+        return chunk_numel_for(self.chunk_bytes)
+
 
 class BlockFile:
-    """One preallocated file of fixed size; ``read``/``write`` move whole page-aligned regions."""
+    """One file of fixed size, preallocated unless ``sparse`` (then disk space is taken as regions are
+    written); ``read``/``write`` move whole page-aligned regions."""
 
-    def __init__(self, path: str, size: int, config: IOConfig) -> None:
+    def __init__(self, path: str, size: int, config: IOConfig, sparse: bool = False) -> None:
         self.path = path
         self.config = config
         self.direct = False
@@ -54,7 +61,10 @@ class BlockFile:
                 _warned_buffered.add(folder)
                 log.warning(f"megatrain: {folder} refuses O_DIRECT (tmpfs?); using buffered I/O there.")
         try:
-            os.posix_fallocate(self.fd, 0, size)
+            if sparse:
+                os.ftruncate(self.fd, size)
+            else:
+                os.posix_fallocate(self.fd, 0, size)
         except OSError as err:
             os.close(self.fd)
             raise StoreIOError(

@@ -17,10 +17,22 @@ if TYPE_CHECKING:
 
 ALIGN = 256  # elements; a multiple of every quantization block size
 SMALL_PARAM = 4096
+CHUNK_NUMEL = 4 << 20  # elements (16 MB of fp32): the store's unit of caching, I/O and update
 
 
 def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def chunk_numel_for(chunk_bytes: int) -> int:
+    """Elements per chunk for a chunk of about ``chunk_bytes`` of fp32: whole ``ALIGN``s (so block-wise
+    quantized state splits at chunk borders exactly as a whole block's does), at least one."""
+    return max(ALIGN, chunk_bytes // 4 // ALIGN * ALIGN)
+
+
+def chunk_spans(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """``[0, numel)`` cut into consecutive ranges of ``chunk_numel`` (the last one shorter)."""
+    return [(start, min(start + chunk_numel, numel)) for start in range(0, numel, chunk_numel)] or [(0, 0)]
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,54 @@
 """How much memory and disk a store needs: one rule for the strategy (which sizes a run) and the planner
 (which predicts one).
 
-The disk tier's RAM cache must hold every block kind in use at once: a block being fetched into each
-device slot, the weights, gradient, m and v of the block each optimizer thread is updating, and three
-more in flight (a gradient being offloaded, a write-back, the next fetch). Its files hold the master
-weights, Adam m and v, the gradient sums, and the per-pass sums of tied blocks.
+The disk tier's RAM cache holds chunks (``io_chunk_mb`` of fp32 each, never more than a block), and the
+hot paths pin a few at a time: each fetch into a device slot one (on CUDA up to three while its copies
+are in flight; two fetches run at once: the prefetcher's and a demand), the gradient offload two (the
+gradient and its per-pass sum), each optimizer thread one chunk of each kind of the block it updates
+(weights, gradient, m, v: at most four fp32 chunks' worth, less when the moments are quantized). The cache
+must hold those and one more chunk (reads and write-backs in flight are waited for; small regions are
+placed apart from large ones). So the RAM the disk tier needs is bounded by the chunk size, whatever the
+block size. Its files hold the master weights and Adam m and v; the gradient sums (and per-pass sums of
+tied blocks) reach them only when the cache must evict them before their update used them, which is
+planned for under gradient accumulation.
 """
 
 from __future__ import annotations
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from megatrain_lightning.store.layout import Block
+from megatrain_lightning.optim import codecs
+from megatrain_lightning.store.layout import CHUNK_NUMEL, Block
 from megatrain_lightning.store.memory import pages
 
 FP32_BYTES = 4
+# Adam m and v per parameter: fp32, or a block-quantized format's codes and scales (codecs.FORMATS).
+# Only the large parameters of repeated blocks are quantized.
+STATE_BYTES = {"none": 8.0} | {
+    f.name: codecs.state_bytes(1 << 20, bits) / (1 << 20) for bits, f in codecs.FORMATS.items()
+}
+FETCHES = 2  # the prefetcher's and a demand load
+CUDA_FETCH_CHUNKS = 3  # chunks one fetch pins on CUDA (copies in flight); one elsewhere
+OFFLOAD_CHUNKS = 2  # the gradient and its per-pass sum
+KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the chunk an optimizer thread updates
 # The gradient offload's staging buffers on CUDA (page-locked), each the largest block in fp32.
 STAGING_BUFFERS = 2
-KINDS_PER_UPDATE = 4  # weights, gradient, m and v of the block an optimizer thread updates
-IN_FLIGHT = 3  # a gradient being offloaded, a write-back, the next fetch
 _GB = 1e9
 
 
-def working_blocks(num_slots: int, optimizer_threads: int = 1) -> int:
-    """Blocks of one fp32 kind the disk tier's cache must hold at once."""
-    return num_slots + KINDS_PER_UPDATE * optimizer_threads + IN_FLIGHT
+def pinned_chunks(optimizer_threads: int = 1, cuda: bool = True) -> int:
+    """fp32 chunks the hot paths of the disk tier pin at once, at most."""
+    fetch = FETCHES * (CUDA_FETCH_CHUNKS if cuda else 1)
+    return fetch + OFFLOAD_CHUNKS + KINDS_PER_UPDATE * optimizer_threads
+
+
+def min_cache_bytes(
+    largest_block: int, optimizer_threads: int = 1, chunk_numel: int = CHUNK_NUMEL, cuda: bool = True
+) -> int:
+    """The smallest host cache the disk tier runs with: room for the pinned chunks (each the chunk size, or
+    the largest block if smaller, in whole pages) and one more."""
+    chunk = pages(FP32_BYTES * min(chunk_numel, largest_block))
+    return (pinned_chunks(optimizer_threads, cuda) + 1) * chunk
 
 
 def staging_bytes(largest_numel: int) -> int:
@@ -37,9 +61,26 @@ def region_bytes(blocks: list[Block]) -> int:
     return sum(pages(FP32_BYTES * b.numel) for b in blocks)
 
 
-def disk_files_bytes(blocks: list[Block]) -> int:
-    """The disk tier's files: weights, m, v, gradient sums, and per-pass sums of tied blocks."""
-    return 4 * region_bytes(blocks) + region_bytes([b for b in blocks if len(b.sites) > 1])
+def state_bytes(blocks: list[Block], compression: str = "none") -> int:
+    """Bytes of Adam m and v (and their scales) for ``blocks``."""
+    fp32 = STATE_BYTES["none"]
+    return int(
+        sum(
+            STATE_BYTES[compression] * b.large_numel + fp32 * (b.numel - b.large_numel)
+            if b.repeated
+            else fp32 * b.numel
+            for b in blocks
+        )
+    )
+
+
+def disk_files_bytes(blocks: list[Block], compression: str = "none", gradients: bool = True) -> int:
+    """The disk tier's files: weights, m and v, and with ``gradients`` the gradient sums and per-pass sums
+    of tied blocks."""
+    files = region_bytes(blocks) + state_bytes(blocks, compression)
+    if gradients:
+        files += region_bytes(blocks) + region_bytes([b for b in blocks if len(b.sites) > 1])
+    return files
 
 
 def num_slots_for(max_vram_gb: float, slot_bytes: int) -> int:
@@ -56,20 +97,22 @@ def num_slots_for(max_vram_gb: float, slot_bytes: int) -> int:
 
 def cache_bytes_for(
     blocks: list[Block],
-    num_slots: int,
     optimizer_threads: int,
     max_cpu_gb: float | None,
     default_bytes: int,
+    chunk_numel: int = CHUNK_NUMEL,
+    cuda: bool = True,
 ) -> int:
-    """The disk tier's cache: ``max_cpu_gb`` if given (refused below the working set), else
-    ``default_bytes`` raised to the working set."""
-    working_set = working_blocks(num_slots, optimizer_threads) * FP32_BYTES * max(b.numel for b in blocks)
+    """The disk tier's cache: ``max_cpu_gb`` if given (refused below :func:`min_cache_bytes`), else
+    ``default_bytes`` raised to that minimum."""
+    working_set = min_cache_bytes(max(b.numel for b in blocks), optimizer_threads, chunk_numel, cuda)
     if max_cpu_gb is None:
         return max(working_set, default_bytes)
     if max_cpu_gb * _GB < working_set:
         raise MisconfigurationException(
-            f"`max_cpu_gb={max_cpu_gb}` cannot hold the blocks in use at once ({num_slots} slots, "
-            f"{optimizer_threads} optimizer threads: {working_set / _GB:.3g} GB). Raise it to at "
-            "least that, or lower `max_vram_gb`/`optimizer_threads`."
+            f"`max_cpu_gb={max_cpu_gb}` cannot hold the store chunks in use at once ({optimizer_threads} "
+            f"optimizer threads, {FP32_BYTES * chunk_numel / 2**20:.3g} MB chunks): the disk tier needs at "
+            f"least {working_set / _GB:.3g} GB. Raise `max_cpu_gb` to that, or lower `io_chunk_mb` or "
+            "`optimizer_threads`."
         )
     return int(max_cpu_gb * _GB)
