@@ -303,3 +303,15 @@ def test_close_gives_the_module_back_plain(tmp_path, tier):
     reference.load_state_dict(kept)
     with torch.no_grad():
         assert torch.equal(hf(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_a_dropped_run_frees_its_disk_store_in_one_collection(tmp_path):
+    """Nothing global keeps a finished run's module, weights or store: dropping them and one collection
+    removes the offload folder's files."""
+    from megatrain_lightning.store.files import STORE_DIRNAME
+
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=str(tmp_path)), steps=2)
+    assert (tmp_path / STORE_DIRNAME).exists()
+    del run
+    gc.collect()
+    assert not (tmp_path / STORE_DIRNAME).exists()

@@ -132,7 +132,7 @@ class Engine:
             weights.install_hooks()
         weights.attach(self)
         # Gradients and optimizer state are this engine's: freed with it (the weights stay with the module).
-        weakref.finalize(self, weights.release_training_state)
+        weakref.finalize(self, _release_training_state, weakref.ref(weights))
         self.update_host_bytes()
 
     @classmethod
@@ -407,3 +407,11 @@ def _check_same_tier(built_for: EngineConfig, config: EngineConfig) -> None:
 def _resize_cache(store: HostStore, config: EngineConfig) -> None:
     if isinstance(store, DiskStore):
         store.resize_cache(config.cache_bytes)
+
+
+def _release_training_state(weights: weakref.ref[StoredWeights]) -> None:
+    """The engine's finalizer: holds its module's weights weakly, so that they are freed with the module
+    in the same collection."""
+    alive = weights()
+    if alive is not None:
+        alive.release_training_state()

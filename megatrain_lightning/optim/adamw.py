@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from torch.optim.adam import adam
 
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.optim import state_dict
+from megatrain_lightning.optim.hparams import Clip, GroupHparams
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.optim.state_dict import FP32_MOMENTS
 from megatrain_lightning.optim.updates import UpdateQueue
@@ -49,24 +49,6 @@ log = logging.getLogger(__name__)
 
 _CODES = ("m_codes", "m_scales", "v_codes", "v_scales")  # block-quantized moments of large parameters
 COMPRESSIONS = {"none": None, "int8": 8, "int4": 4, "int3": 3, "int2": 2}  # name -> codecs.FORMATS key
-
-
-@dataclass(frozen=True)
-class _GroupHparams:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    maximize: bool
-    foreach: bool | None  # the implementation the user chose: results match it bitwise
-    fused: bool | None
-
-
-@dataclass(frozen=True)
-class _Clip:
-    value: float | None = None  # clamp each gradient to [-value, value]
-    coef: Tensor | None = None  # multiply each gradient (global-norm clipping)
 
 
 class CPUAdamW(Optimizer):
@@ -128,8 +110,8 @@ class CPUAdamW(Optimizer):
         self.decoupled_weight_decay = decoupled_weight_decay
         self.defer_updates = False
         self._in_step = False
-        self._hparams: list[_GroupHparams] = []
-        self._clip = _Clip()
+        self._hparams: list[GroupHparams] = []
+        self._clip = Clip()
         self._steps = [[0] * len(b.params) for b in store.blocks]
         if compression not in COMPRESSIONS:
             raise MisconfigurationException(
@@ -181,7 +163,7 @@ class CPUAdamW(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (forward + backward; blocks may update during it), then update the rest."""
         self._opt_called = True  # what an LR scheduler's step-order check looks for
-        self._hparams = [self._snapshot(group) for group in self.param_groups]
+        self._hparams = [GroupHparams.of(group) for group in self.param_groups]
         # An asynchronous offload of an earlier micro-batch that is still running would otherwise see the
         # step begun and submit its block's update with part of the gradient.
         self.grads.flush()
@@ -198,7 +180,7 @@ class CPUAdamW(Optimizer):
             if not self.updates.submitted(block) and self.grads.present(block):
                 self._submit(block)
         self.updates.new_step()
-        self._clip = _Clip()
+        self._clip = Clip()
         return loss
 
     @property
@@ -250,7 +232,7 @@ class CPUAdamW(Optimizer):
 
     def clip_grad_value_(self, clip_value: float) -> None:
         self._check_can_clip()
-        self._clip = _Clip(value=float(clip_value), coef=self._clip.coef)
+        self._clip = Clip(value=float(clip_value), coef=self._clip.coef)
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Global-norm clipping with exactly ``torch.nn.utils.clip_grad_norm_``'s arithmetic."""
@@ -268,7 +250,7 @@ class CPUAdamW(Optimizer):
                     if self._clip.value is not None:
                         self._clamp([grad], self._clip.value)
                     (norms[block, i],) = torch._foreach_norm([grad], 2.0)
-        self._clip = _Clip()
+        self._clip = Clip()
         if not norms:
             return torch.tensor(0.0)
         # Stacked in torch's order (param groups, then parameters) so the total is bitwise torch's.
@@ -276,24 +258,10 @@ class CPUAdamW(Optimizer):
             torch.stack([norms[key] for key in self._order if key in norms]), 2.0
         )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._clip = _Clip(coef=coef)
+        self._clip = Clip(coef=coef)
         return total
 
     # -- internals --
-
-    @staticmethod
-    def _snapshot(group: dict[str, Any]) -> _GroupHparams:
-        beta1, beta2 = group["betas"]
-        return _GroupHparams(
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            maximize=bool(group.get("maximize", False)),
-            foreach=group.get("foreach"),
-            fused=group.get("fused"),
-        )
 
     @staticmethod
     def _clamp(grads: list[Tensor], value: float) -> None:
@@ -309,7 +277,7 @@ class CPUAdamW(Optimizer):
 
         self.updates.submit(block, prepare, functools.partial(self._run, block, hparams, clip))
 
-    def _run(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
+    def _run(self, block: int, hparams: list[GroupHparams], clip: Clip) -> None:
         start = time.perf_counter()
         self._update(block, hparams, clip)
         end = time.perf_counter()
@@ -321,7 +289,7 @@ class CPUAdamW(Optimizer):
         """The store kinds a block's update reads and writes."""
         return ("param", "grad", *self.state_kinds)
 
-    def _update(self, block: int, hparams: list[_GroupHparams], clip: _Clip) -> None:
+    def _update(self, block: int, hparams: list[GroupHparams], clip: Clip) -> None:
         """The block's update, one store chunk at a time (so it needs a chunk of each kind in RAM, not a
         block): AdamW is elementwise and the quantized moments are block-wise with chunks cut at whole
         quantization blocks, so the result is bitwise that of one pass over the whole block."""
@@ -348,8 +316,8 @@ class CPUAdamW(Optimizer):
         block: int,
         span: tuple[int, int],
         flats: dict[str, Tensor],
-        plan: list[tuple[_GroupHparams, list[tuple[int, int, list[int]]], set[int]]],
-        clip: _Clip,
+        plan: list[tuple[GroupHparams, list[tuple[int, int, list[int]]], set[int]]],
+        clip: Clip,
     ) -> None:
         """Update the parts of ``plan``'s runs inside ``span``, whose buffers (by kind) are ``flats``."""
         lo, hi = span

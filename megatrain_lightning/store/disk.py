@@ -1,15 +1,16 @@
-"""The disk tier of the store: every block's buffers live in files under ``offload_dir``; host RAM
-holds a bounded cache of them (``max_cpu_gb``).
+"""The disk tier of the store: every block's buffers live in files under ``offload_dir``; host RAM holds a
+bounded cache of them (``max_cpu_gb``).
 
-Files: one preallocated file per kind (``param.bin``, ``exp_avg.bin``, ...) with each chunk of each
-block at a page-aligned offset, a ``manifest.json`` describing the layout, and a lock so two runs
-cannot share the folder. Cache: regions of one host buffer (:mod:`megatrain_lightning.store.arena`),
-one per (block, kind, chunk), pinned while in use; eviction frees the region whose contents are needed
-farthest in the future (Belady: ``hint`` ranks each block's weights, gradients and optimizer state by
-the trace's next use of that kind, and ``claim`` puts a submitted update's chunks first, in order),
-never a pinned one, and writes dirty ones back first. The cache loads ahead in that order as far as it
-can without evicting anything needed sooner, again whenever a chunk is released. Updated chunks are
-written back as soon as their update is done; consumed gradients are dropped without being written.
+Files (:mod:`.files`): one preallocated file per kind (``param.bin``, ``exp_avg.bin``, ...) with each
+chunk of each block at a page-aligned offset, a ``manifest.json`` describing the layout, and a lock so
+two runs cannot share the folder. Cache (:mod:`.cache`): regions of one host buffer
+(:mod:`megatrain_lightning.store.arena`), one per (block, kind, chunk), pinned while in use; eviction
+frees the region whose contents are needed farthest in the future (Belady: ``hint`` ranks each block's
+weights, gradients and optimizer state by the trace's next use of that kind, and ``claim`` puts a
+submitted update's chunks first, in order), never a pinned one, and writes dirty ones back first. The
+cache loads ahead in that order as far as it can without evicting anything needed sooner, again whenever
+a chunk is released. Updated chunks are written back as soon as their update is done; consumed gradients
+are dropped without being written.
 
 Because the unit is a chunk, the RAM the hot paths need is a few chunks per thread whatever the block
 size. Pinning a range that spans several chunks (a whole block, for checkpoints and loading) gathers it
@@ -20,69 +21,28 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
 from megatrain_lightning.engine.futures import fresh_copy, result_of
 from megatrain_lightning.store.arena import Arena, whole_pages_in
+from megatrain_lightning.store.cache import NEVER, Entry, Key, best_window, failed
+from megatrain_lightning.store.files import STORE_DIRNAME, StoreFiles, close_files, lock_directory
 from megatrain_lightning.store.host import HostStore
-from megatrain_lightning.store.io import (
-    BlockFile,
-    IOConfig,
-    StoreIOError,
-    close_files,
-    io_error,
-    lock_directory,
-)
+from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.store.layout import Block
-from megatrain_lightning.store.memory import ALIGNMENT, host_empty, pages
+from megatrain_lightning.store.memory import host_empty, pages
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
-STORE_DIRNAME = "megatrain_store"
-_NEVER = float("inf")
 _STALL_TIMEOUT_S = 120.0
-
-Key = tuple[int, str, int]  # (block, kind, chunk)
-# Gradient sums reach the disk only when the cache must evict them before their update used them: their
-# files are sparse (space taken as written), so a run without accumulation needs no room for them.
-SPARSE_KINDS = frozenset({"grad", "grad_pass"})
-
-
-@dataclass(eq=False)
-class _Entry:
-    offset: int  # where its region starts in the cache arena
-    raw: Tensor  # the region: page-aligned uint8, whole pages, what the I/O reads and writes
-    buf: Tensor  # the typed view callers get
-    holders: list[int] = field(default_factory=list)  # one thread id per pin
-    dirty: bool = False
-    ready: Future | None = None  # the load from disk
-    writing: Future | None = None  # a write-back in flight
-
-    @property
-    def size(self) -> int:
-        return self.raw.numel()
-
-    @property
-    def pins(self) -> int:
-        return len(self.holders)
-
-    @property
-    def busy(self) -> bool:
-        return any(f is not None and not f.done() for f in (self.ready, self.writing))
-
-
-def _failed(future: Future | None) -> bool:
-    return future is not None and future.done() and future.exception() is not None
 
 
 class DiskStore(HostStore):
@@ -107,7 +67,7 @@ class DiskStore(HostStore):
         self._lock_fd = lock_directory(self.directory)
         self._cond = threading.Condition()
         self._arena = Arena(cache_bytes, pin_memory)
-        self._entries: dict[Key, _Entry] = {}
+        self._entries: dict[Key, Entry] = {}
         self._on_disk: set[Key] = set()  # regions holding data (others read as zeros)
         self._chunks = [self.spans(b) for b in range(len(blocks))]
         self._future: dict[tuple[int, str], int] = {}  # (block, kind) -> rank of its next predicted use
@@ -120,12 +80,13 @@ class DiskStore(HostStore):
         # run reads again).
         self._read_failure: StoreIOError | None = None
         self._workers = ThreadPoolExecutor(self.io.threads, thread_name_prefix="megatrain-io")
-        self._files: dict[str, BlockFile] = {}
-        self._offsets: dict[str, list[list[int]]] = {}  # kind -> block -> chunk -> file offset
+        self._files = StoreFiles(self.directory, self.io, blocks, self._chunks)
         for kind in kinds:
             self._open(kind)
-        self._write_manifest()
-        self._cleanup = weakref.finalize(self, close_files, self._files, self._lock_fd, self.directory, keep)
+        self._files.write_manifest()
+        self._cleanup = weakref.finalize(
+            self, close_files, self._files.files, self._lock_fd, self.directory, keep
+        )
 
     @property
     def cache_bytes(self) -> int:
@@ -255,7 +216,7 @@ class DiskStore(HostStore):
             with self._cond:
                 for key, entry in zip(keys, entries, strict=True):
                     entry.holders.remove(me)
-                    if _failed(entry.ready):  # never served again: the next pin reads anew
+                    if failed(entry.ready):  # never served again: the next pin reads anew
                         if not entry.pins:
                             self._evict(key, entry)
                     else:
@@ -317,7 +278,7 @@ class DiskStore(HostStore):
         with self._cond:
             self._read_failure = None
             for key, entry in list(self._entries.items()):
-                if _failed(entry.ready) and not entry.pins:
+                if failed(entry.ready) and not entry.pins:
                     self._evict(key, entry)
 
     def release_all_but(self, *kinds: str) -> None:
@@ -370,7 +331,7 @@ class DiskStore(HostStore):
         dtype = self.layout(block, kind)[0]
         return dtype, (stop - start) * dtype.itemsize
 
-    def _admit(self, key: Key, demand: bool, keep: frozenset[Key] = frozenset()) -> _Entry | None:
+    def _admit(self, key: Key, demand: bool, keep: frozenset[Key] = frozenset()) -> Entry | None:
         """A cache entry for ``key``, loading it from disk if it has data there. For a prefetch
         (``demand=False``) only if nothing needed sooner has to leave; ``None`` otherwise. ``keep``: entries
         that must stay (the others a ``pinned_all`` is gathering)."""
@@ -383,7 +344,7 @@ class DiskStore(HostStore):
             self._arena.release(offset, size)
             return self._entries[key]
         raw = self._arena.region(offset, size)
-        entry = _Entry(offset, raw, raw[:nbytes].view(dtype))
+        entry = Entry(offset, raw, raw[:nbytes].view(dtype))
         if key in self._on_disk:
             entry.ready = self._workers.submit(self._read, key, entry)
         else:
@@ -394,7 +355,7 @@ class DiskStore(HostStore):
 
     def _rank(self, key: Key) -> float:
         claimed = self._claimed.get(key)
-        return claimed if claimed is not None else self._future.get(key[:2], _NEVER)
+        return claimed if claimed is not None else self._future.get(key[:2], NEVER)
 
     def _claim_rank(self) -> int:
         return next(self._claims) - (1 << 62)  # below every trace position, in order of claiming (exact ints)
@@ -410,9 +371,11 @@ class DiskStore(HostStore):
             offset = self._arena.allocate(size)
             if offset is not None:
                 return offset
-            window = self._best_window(size, rank, keep, clean_only=not demand)
+            window = best_window(
+                self._arena, self._entries, self._rank, size, rank, keep, clean_only=not demand
+            )
             if window is None and demand and not self._others_active():
-                window = self._best_window(size, -_NEVER, keep)
+                window = best_window(self._arena, self._entries, self._rank, size, -NEVER, keep)
                 if window is None:
                     raise self._too_small()
             if window is not None:
@@ -441,65 +404,23 @@ class DiskStore(HostStore):
         me = threading.get_ident()
         return any(e.busy or any(h != me for h in e.holders) for e in self._entries.values())
 
-    def _best_window(
-        self, size: int, rank: float, keep: frozenset[Key], clean_only: bool = False
-    ) -> tuple[int, list[tuple[Key, _Entry]]] | None:
-        """The ``size``-byte range of the arena whose eviction hurts least: all of its entries idle and
-        needed later than ``rank``, the soonest needed of them as late as possible (Belady); then
-        clean, then small."""
-        segments = sorted(
-            [(start, end, None) for start, end in self._arena.gaps()]
-            + [(e.offset, e.offset + e.size, (k, e)) for k, e in self._entries.items() if e.size],
-            key=lambda segment: segment[0],
-        )
-        best, best_score = None, None
-        for i, (start, _, _) in enumerate(segments):
-            if start + size > self._arena.capacity:
-                break
-            victims = self._evictable_from(segments[i:], start + size, rank, keep, clean_only)
-            if victims is None:
-                continue
-            soonest = min((self._rank(k) for k, _ in victims), default=_NEVER)
-            clean = not any(e.dirty for _, e in victims)
-            score = (soonest, clean, -sum(e.size for _, e in victims))
-            if best_score is None or score > best_score:
-                best, best_score = (start, victims), score
-        return best
-
-    def _evictable_from(
-        self, segments: list, end: int, rank: float, keep: frozenset[Key], clean_only: bool
-    ) -> list[tuple[Key, _Entry]] | None:
-        """The entries among ``segments`` that start before ``end``, or ``None`` if one may not leave."""
-        victims = []
-        for start, _, item in segments:
-            if start >= end:
-                break
-            if item is None:
-                continue
-            key, entry = item
-            held = entry.pins or entry.busy or key in keep or (clean_only and entry.dirty)
-            if held or self._rank(key) <= rank:
-                return None
-            victims.append(item)
-        return victims
-
-    def _evict(self, key: Key, entry: _Entry) -> None:
+    def _evict(self, key: Key, entry: Entry) -> None:
         del self._entries[key]
         self._arena.release(entry.offset, entry.size)
 
-    def _write_back(self, key: Key, entry: _Entry) -> None:
+    def _write_back(self, key: Key, entry: Entry) -> None:
         if entry.dirty and not entry.busy:
             entry.dirty = False
             entry.writing = self._workers.submit(self._write, key, entry)
 
     # -- I/O (worker threads, lock not held) --
 
-    def _read(self, key: Key, entry: _Entry) -> None:
+    def _read(self, key: Key, entry: Entry) -> None:
         block, kind, chunk = key
-        file = self._files[kind]
+        file = self._files.files[kind]
         start = time.perf_counter()
         try:
-            file.read(self._offsets[kind][block][chunk], entry.raw)
+            file.read(self._files.offsets[kind][block][chunk], entry.raw)
         except OSError as err:
             failure = io_error(err, file.path, "reading")
             with self._cond:
@@ -510,12 +431,12 @@ class DiskStore(HostStore):
         TIMELINE.record("disk", start, time.perf_counter())
         self.stats.add(disk_read_s=time.perf_counter() - start, disk_read_bytes=entry.raw.numel())
 
-    def _write(self, key: Key, entry: _Entry) -> None:
+    def _write(self, key: Key, entry: Entry) -> None:
         block, kind, chunk = key
-        file = self._files.get(kind) or self._open(kind)
+        file = self._open(kind)
         start = time.perf_counter()
         try:
-            file.write(self._offsets[kind][block][chunk], entry.raw)
+            file.write(self._files.offsets[kind][block][chunk], entry.raw)
             with self._cond:
                 self._on_disk.add(key)
         except OSError as err:
@@ -532,38 +453,6 @@ class DiskStore(HostStore):
         with self._cond:
             self._cond.notify_all()
 
-    # -- files --
-
     def _open(self, kind: str) -> BlockFile:
         with self._cond:
-            if kind in self._files:
-                return self._files[kind]
-            offsets, end = [], 0
-            for block in range(len(self.blocks)):
-                offsets.append([])
-                for chunk in range(len(self._chunks[block])):
-                    offsets[-1].append(end)
-                    end += pages(self._chunk_bytes((block, kind, chunk))[1])
-            path = os.path.join(self.directory, f"{kind}.bin")
-            self._files[kind] = BlockFile(path, max(end, ALIGNMENT), self.io, sparse=kind in SPARSE_KINDS)
-            self._offsets[kind] = offsets
-            return self._files[kind]
-
-    def _write_manifest(self) -> None:
-        manifest = {
-            "format": 1,
-            "blocks": [
-                {
-                    "name": b.name,
-                    "numel": b.numel,
-                    "chunks": self._chunks[b.index],
-                    "params": [[p.name, list(p.shape), p.offset] for p in b.params],
-                }
-                for b in self.blocks
-            ],
-            "files": {kind: {"path": f"{kind}.bin", "offsets": self._offsets[kind]} for kind in self._files},
-        }
-        path = os.path.join(self.directory, "manifest.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(path + ".tmp", path)
+            return self._files.open(kind, lambda block, chunk: self._chunk_bytes((block, kind, chunk))[1])

@@ -1,16 +1,13 @@
 """Block-sized file I/O at disk speed: O_DIRECT into page-aligned buffers, in threads that release
 the GIL (``os.preadv``/``os.pwritev``), in chunks. Where the filesystem refuses O_DIRECT (tmpfs),
-files are opened buffered instead, and that is logged once. Also the folder's lock, so two runs
-cannot share one store, and its removal.
+files are opened buffered instead, and that is logged once.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -104,34 +101,3 @@ def io_error(err: OSError, path: str, what: str) -> StoreIOError:
         else "check the disk under offload_dir"
     )
     return StoreIOError(err.errno, f"megatrain: {what} {path} failed: {err.strerror or err}; {hint}.")
-
-
-def lock_directory(directory: str) -> int:
-    """Hold ``directory`` for this process (a lock file naming it), or say who holds it; remove what an
-    earlier holder left there: a killed run's files are never read (a block reads as zeros until this
-    store writes it), only their space is taken back. The lock is an ``flock``: the kernel releases a dead
-    holder's."""
-    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as err:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreIOError(
-            err.errno, f"megatrain: {directory} is in use by {owner}; give each run its own `offload_dir`."
-        ) from err
-    for name in os.listdir(directory):
-        if name != "lock":
-            os.remove(os.path.join(directory, name))
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-    return fd
-
-
-def close_files(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: bool) -> None:
-    """Close a store's files and remove its folder unless ``keep``; then let go of the folder."""
-    for file in files.values():
-        file.close()
-    if not keep:
-        shutil.rmtree(directory, ignore_errors=True)
-    os.close(lock_fd)
