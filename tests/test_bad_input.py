@@ -143,8 +143,8 @@ CASES = [
         lambda t, f: lambda: _fit(t, MegaTrainStrategy(max_vram_gb=1e-6)),
     ),
     Case(
-        "max_cpu_gb below the blocks in use at once",
-        "cannot hold the blocks in use at once",
+        "max_cpu_gb below the store chunks in use at once",
+        "cannot hold the store chunks in use at once",
         lambda t, f: lambda: _fit(t, MegaTrainStrategy(offload_dir=t / "offload", max_cpu_gb=1e-6)),
     ),
     Case(
