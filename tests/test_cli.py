@@ -144,7 +144,7 @@ def test_plan_usage_error_is_one_line_naming_the_presets(capsys):
         main(["plan", "--model", "13b", "--vram", "80", "--ram", "512"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "13b" in err and "tiny, 170m, 1b, 7b, 70b" in err
+    assert err.count("\n") == 1 and "13b" in err and "tiny, 170m, 1b, 3b, 7b, 70b" in err
 
 
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):

@@ -83,7 +83,7 @@ def test_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
     assert_same_training(plain, paged)
     assert "refuses O_DIRECT" in caplog.text
     engine = paged.trainer.strategy.engine
-    assert not engine.store._files["param"].direct
+    assert not engine.store._files.files["param"].direct
     engine.close()
     assert not os.path.exists(engine.store.directory), "closing the engine leaves the store's files"
 

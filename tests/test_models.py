@@ -61,7 +61,7 @@ def test_llama_config_shapes():
     assert (c70.hidden_size, c70.num_hidden_layers, c70.num_key_value_heads) == (8192, 80, 8)
     assert llama_config("1b").hidden_size == 2048
     with pytest.raises(ValueError, match="unknown Llama size"):
-        llama_config("3b")
+        llama_config("13b")
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
