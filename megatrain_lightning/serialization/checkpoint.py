@@ -79,6 +79,10 @@ class CheckpointError(MisconfigurationException):
     """A checkpoint is incomplete, corrupt or for another model; nothing was loaded."""
 
 
+SCHEDULE_KEY = "megatrain_schedule"  # the engine's traces and update cadence (``Engine.schedule_state``)
+MEGATRAIN_KEYS = ("megatrain_rng", "megatrain_cuda_rng", SCHEDULE_KEY)  # read back by megatrain only
+
+
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
@@ -356,8 +360,8 @@ def to_lightning(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
         )
     _check_fits_in_ram(ckpt, copies)
     state = ckpt.lightning_state()
-    state.pop("megatrain_rng", None)
-    state.pop("megatrain_cuda_rng", None)
+    for key in MEGATRAIN_KEYS:
+        state.pop(key, None)
     weights = {name: read_tensor(entry) for name, entry in ckpt.weights().entries.items()}
     state_dict = dict(weights)
     state_dict.update({alias: weights[name] for alias, name in ckpt.manifest["aliases"].items()})
