@@ -95,6 +95,7 @@ class Format:
     v_bits: int
     v_block: int
     v_octaves: float | None  # the log map's step (octaves per code); None: int8's linear map
+    stochastic: tuple[Kind, ...] = ()  # moments the fused step encodes with stochastic rounding
 
     @property
     def m_sorted(self) -> Tensor:
@@ -268,9 +269,10 @@ def _needs_cleaning(absmax: Tensor) -> bool:
     return not bool(((absmax <= CLAMP) & ~torch.isnan(absmax)).all())
 
 
-def encode_m_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def encode_m_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """fp32 ``[blocks, B]`` -> (uint8 codes ``[blocks, B]`` unpacked, fp32 scales ``[blocks]``).
-    Cleans the input (``clean_m``) first when it holds NaN, Inf or magnitudes above ``CLAMP``."""
+    Cleans the input (``clean_m``) first when it holds NaN, Inf or magnitudes above ``CLAMP``. With
+    ``u`` (:func:`uniforms`, shaped like ``x``; table formats only), rounds stochastically."""
     a = x.abs()
     absmax = a.amax(dim=1)
     if _needs_cleaning(absmax):
@@ -280,6 +282,8 @@ def encode_m_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     pre = _prescale(absmax)
     zero = absmax == 0
     if bits == 8:
+        if u is not None:
+            raise ValueError("stochastic rounding is defined for the table formats, not int8")
         inv = torch.where(zero, torch.zeros_like(absmax), _f32(M8_TOP, x) / (absmax * pre))
         scales = absmax / M8_TOP
         z = a.mul_(pre[:, None]).mul_(inv[:, None])
@@ -299,6 +303,10 @@ def encode_m_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     signed = torch.where(positive >= absmax, absmax, -absmax)
     inv = torch.where(zero, torch.zeros_like(absmax), _f32(1.0, x) / (signed * pre))
     y = (x * pre[:, None]).mul_(inv[:, None])
+    if u is not None:
+        return _round_stochastic(y, fmt.m_sorted, u, ascending=True).add_(levels - fmt.m_zero).bitwise_and_(
+            levels - 1
+        ), signed
     index = torch.full(y.shape, levels - fmt.m_zero, dtype=torch.uint8)  # midpoints below y, + offset
     above = torch.empty(y.shape, dtype=torch.bool)
     for t in fmt.m_midpoints.tolist():
@@ -312,15 +320,18 @@ def decode_m_blocks(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     return table[codes.long()] * scales[:, None]
 
 
-def encode_v_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def encode_v_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """fp32 ``[blocks, B]`` -> (uint8 codes unpacked, fp32 scales ``[blocks]``). Cleans the input
-    (``clean_v``) first when it holds NaN, Inf, negative values or magnitudes above ``CLAMP``."""
+    (``clean_v``) first when it holds NaN, Inf, negative values or magnitudes above ``CLAMP``. With
+    ``u`` (table formats only), rounds stochastically."""
     absmax = x.amax(dim=1)
     if _needs_cleaning(absmax) or not bool(x.amin() >= 0):
         x = clean_v(x)
         absmax = x.amax(dim=1)
     absmax = absmax.clamp_(min=V_FLOOR)
     if bits == 8:
+        if u is not None:
+            raise ValueError("stochastic rounding is defined for the table formats, not int8")
         inv = _f32(256.0, x) / absmax
         scales = absmax * (1.0 / 256)
         code = torch.round(x * inv[:, None]).to(torch.int32)
@@ -328,6 +339,8 @@ def encode_v_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
         return code.clamp_(0, 255).to(torch.uint8), scales
     inv = _f32(1.0, x) / absmax
     y = x * inv[:, None]
+    if u is not None:
+        return _round_stochastic(y, FORMATS[bits].v_table, u, ascending=False), absmax
     code = torch.zeros(y.shape, dtype=torch.uint8)
     below = torch.empty(y.shape, dtype=torch.bool)
     for t in FORMATS[bits].v_thresholds.tolist():
@@ -341,6 +354,59 @@ def decode_v_blocks(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     return FORMATS[bits].v_table.to(codes.device)[codes.long()] * scales[:, None]
 
 
+# -- stochastic rounding: counter-based uniforms, the same in the C++ kernel --
+
+_M32 = 0xFFFFFFFF
+_MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2^31: no int64 product of a 32-bit value overflows
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift, multiply) of int64 values below 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX[0]) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MIX[1]) & _M32
+    return x ^ (x >> 16)
+
+
+def rounding_keys(seed: int, step: int) -> tuple[int, int]:
+    """The 32-bit keys of m's and v's random numbers for one optimizer step of one stream (``seed``:
+    e.g. a block's index): a function of its arguments only, so that a run (and a resumed one) draws
+    the same numbers whatever the threads, chunks or timing."""
+    base = _mix32(_mix32(torch.tensor(seed & _M32)) ^ (step & _M32))
+    return int(_mix32(base ^ 1)), int(_mix32(base ^ 2))
+
+
+def index_hash(start: int, n: int) -> Tensor:
+    """The hash of element indices ``[start, start + n)`` (low 32 bits), shared by m's and v's draws."""
+    return _mix32(torch.arange(start, start + n, dtype=torch.int64) & _M32)
+
+
+def uniforms(hashed: Tensor, key: int) -> Tensor:
+    """fp32 numbers in [0, 1 - 2^-23], multiples of 2^-23, one per hashed index: ``mix32(hash ^ key)``'s
+    top 23 bits."""
+    return (_mix32(hashed ^ key) >> 9).to(torch.float32).mul_(2.0**-23)
+
+
+def _round_stochastic(y: Tensor, values: Tensor, u: Tensor, ascending: bool) -> Tensor:
+    """Sorted index (uint8) of ``y`` rounded to one of its two neighbouring ``values``, the farther one
+    with probability ``distance / gap``: unbiased between the map's ends, ends kept as nearest rounding
+    does (values beyond them go to the end; a value of the map encodes exactly). ``values`` ascending
+    (m) or descending (v); in fp32 operations the kernel repeats."""
+    levels = values.numel()
+    index = torch.zeros(y.shape, dtype=torch.int64)
+    hit = torch.empty(y.shape, dtype=torch.bool)
+    for t in values[1:].tolist():  # j: the last value on the near side of y (the lower for m)
+        index += torch.ge(y, t, out=hit) if ascending else torch.lt(y, t, out=hit)
+    nxt = (index + 1).clamp_(max=levels - 1)
+    near, far = values[index], values[nxt]
+    # m: near <= y, far above; v: near above y, far <= y (descending); both: d = y - lower, gap = upper - lower
+    lower, upper = (near, far) if ascending else (far, near)
+    up = (y - lower) > u * (upper - lower)
+    take_far = up if ascending else ~up
+    return torch.where(take_far, nxt, index).to(torch.uint8)
+
+
 # -- public codec --
 
 
@@ -351,13 +417,17 @@ def _blocks(x: Tensor, size: int) -> Tensor:
     return x.view(-1, size)
 
 
-def quantize(x: Tensor, kind: Kind, bits: int) -> tuple[Tensor, Tensor]:
-    """Any-shaped float tensor -> ``(codes uint8 [code_bytes(numel)], scales fp32 [num_scales])``."""
+def quantize(x: Tensor, kind: Kind, bits: int, key: int | None = None) -> tuple[Tensor, Tensor]:
+    """Any-shaped float tensor -> ``(codes uint8 [code_bytes(numel)], scales fp32 [num_scales])``;
+    rounded stochastically with the numbers ``uniforms(index_hash(0, numel), key)`` when ``key`` is
+    given (table formats), to the nearest code otherwise."""
     _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
     numel = flat.numel()
     encode = encode_m_blocks if kind == "m" else encode_v_blocks
-    codes, scales = encode(_blocks(flat, block_size(kind, bits)), bits)
+    blocks = _blocks(flat, block_size(kind, bits))
+    u = None if key is None else uniforms(index_hash(0, blocks.numel()), key).view(blocks.shape)
+    codes, scales = encode(blocks, bits, u)
     return pack(codes.reshape(-1)[:numel], width(kind, bits)), scales
 
 
@@ -420,12 +490,15 @@ __all__ = [
     "dequantize",
     "empty_state",
     "error_bound",
+    "index_hash",
     "max_relative_error",
     "num_scales",
     "pack",
     "quantize",
+    "rounding_keys",
     "state_bytes",
     "state_slices",
+    "uniforms",
     "unpack",
     "width",
 ]
