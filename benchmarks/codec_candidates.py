@@ -398,7 +398,8 @@ def shipped_errors(args) -> None:
         if step % 50 == 0:
             print(f"step {step} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
     print(f"\nShipped formats, both moments quantized: RMS relative error, mean over steps 11..{args.steps} "
-          f"and {len(watch)} tensors (lr {args.lr}, betas {betas}, hidden {args.hidden}, {args.layers} layers):")  # fmt: skip
+          f"and {len(watch)} tensors (lr {args.lr}, betas {betas}, hidden {args.hidden}, "
+          f"{args.layers} layers):")  # fmt: skip
     print("| format, rounding | m error | v error | update error |\n| --- | ---: | ---: | ---: |")
     for c in SHIPPED:
         mean = [sum(err[(x, c)]) / len(err[(x, c)]) for x in "mvu"]

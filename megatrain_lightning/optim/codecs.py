@@ -400,7 +400,7 @@ def _round_stochastic(y: Tensor, values: Tensor, u: Tensor, ascending: bool) -> 
         index += torch.ge(y, t, out=hit) if ascending else torch.lt(y, t, out=hit)
     nxt = (index + 1).clamp_(max=levels - 1)
     near, far = values[index], values[nxt]
-    # m: near <= y, far above; v: near above y, far <= y (descending); both: d = y - lower, gap = upper - lower
+    # m: near <= y < far; v (descending): far <= y < near
     lower, upper = (near, far) if ascending else (far, near)
     up = (y - lower) > u * (upper - lower)
     take_far = up if ascending else ~up
@@ -444,8 +444,9 @@ def dequantize(codes: Tensor, scales: Tensor, kind: Kind, bits: int, numel: int)
     return decode(blocks, scales.reshape(-1).to(torch.float32), bits).reshape(-1)[:numel]
 
 
-def error_bound(x: Tensor, kind: Kind, bits: int) -> Tensor:
-    """The per-element bound on ``|dequantize(quantize(x)) - clean(x)|`` stated in the module docstring."""
+def error_bound(x: Tensor, kind: Kind, bits: int, stochastic: bool = False) -> Tensor:
+    """The per-element bound on ``|dequantize(quantize(x)) - clean(x)|`` stated in the module docstring;
+    ``stochastic``: of a table format rounded stochastically (``quantize(..., key=...)``)."""
     fmt = _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
     numel = flat.numel()
@@ -456,25 +457,29 @@ def error_bound(x: Tensor, kind: Kind, bits: int) -> Tensor:
     if kind == "m" and bits == 8:
         bound = 2.0**-4 * blocks.abs() * slack + 2.0**-18 / M8_TOP * absmax + _TINY
     elif kind == "m":
-        bound = (max_relative_error(kind, bits) * slack) * absmax + _TINY + blocks * 0
+        bound = (max_relative_error(kind, bits, stochastic) * slack) * absmax + _TINY + blocks * 0
     elif bits == 8:
         s = absmax.clamp(min=V_FLOOR) / 256
         bound = torch.where(blocks >= s / 2, s / 2 * slack, s)
     else:
         lo = absmax.clamp(min=V_FLOOR) * float(fmt.v_table[-1])
-        bound = torch.where(blocks >= lo, (2 ** (fmt.v_octaves / 2) - 1) * blocks * slack + _TINY, lo * slack)
+        step = fmt.v_octaves if stochastic else fmt.v_octaves / 2
+        bound = torch.where(blocks >= lo, (2**step - 1) * blocks * slack + _TINY, lo * slack)
     return bound.reshape(-1)[:numel]
 
 
-def max_relative_error(kind: Kind, bits: int) -> float:
-    """The worst error as a fraction of the block absmax (the constant in the bounds above)."""
+def max_relative_error(kind: Kind, bits: int, stochastic: bool = False) -> float:
+    """The worst error as a fraction of the block absmax (the constant in the bounds above); rounded
+    stochastically, a table format's error reaches the whole gap between neighbouring values."""
     fmt = _check(kind, bits)
+    if stochastic and bits == 8:
+        raise ValueError("stochastic rounding is defined for the table formats, not int8")
     if kind == "m":
         if bits == 8:
             return 1 / 30
-        t = fmt.m_sorted  # half the largest gap, or the distance from -1 (y's floor) to the smallest value
-        return max(float(((t[1:] - t[:-1]) / 2).max()), 1 + float(t[0]))
-    return 1.0 / 256 if bits == 8 else 2 ** (fmt.v_octaves / 2) - 1
+        t = fmt.m_sorted  # half the largest gap (SR: all of it), or the distance from -1 to the lowest value
+        return max(float((t[1:] - t[:-1]).max()) / (1 if stochastic else 2), 1 + float(t[0]))
+    return 1.0 / 256 if bits == 8 else 2 ** (fmt.v_octaves / (1 if stochastic else 2)) - 1
 
 
 __all__ = [
