@@ -115,6 +115,18 @@ template <int W>
 inline __m512 m_mid16() { return _mm512_load_ps(W == 4 ? M4_MID16.t : M2_MID16.t); }
 template <int W>
 inline __m512 v_th16() { return _mm512_load_ps(W == 4 ? V4_TH16.t : V2_TH16.t); }
+// for stochastic rounding: the sorted m maps, their values above the lowest (padded with 2), and the v
+// maps' values below the largest (padded with -1)
+constexpr Padded16<16, 16> M4_SORT16(M4_SORTED, 0.0f);
+constexpr Padded16<4, 4> M2_SORT16(M2_SORTED, 0.0f);
+constexpr Padded16<15, 16> M4_ABOVE16(M4_SORTED + 1, 2.0f), V4_BELOW16(V4_DECODE + 1, -1.0f);
+constexpr Padded16<3, 4> M2_ABOVE16(M2_SORTED + 1, 2.0f), V2_BELOW16(V2_DECODE + 1, -1.0f);
+template <int W>
+inline __m512 m_sorted16() { return _mm512_load_ps(W == 4 ? M4_SORT16.t : M2_SORT16.t); }
+template <int W>
+inline __m512 m_above16() { return _mm512_load_ps(W == 4 ? M4_ABOVE16.t : M2_ABOVE16.t); }
+template <int W>
+inline __m512 v_below16() { return _mm512_load_ps(W == 4 ? V4_BELOW16.t : V2_BELOW16.t); }
 
 // Branchless binary search over L - 1 sorted thresholds (padded to 16): the number of leading
 // thresholds for which ``pred(y, threshold)`` holds, when it holds for a prefix of them.
@@ -162,14 +174,38 @@ inline uint32_t mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-// The uniform numbers in [0, 1) (multiples of 2^-23) of the elements base .. base + 255 of a stream:
-// a function of (key, element index) only (codecs.uniforms), so chunking and threads do not matter.
+#if defined(__AVX512F__)
+inline __m512i mix32x16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x2c1b3c6d));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+inline __m512 uniform16(__m512i hashed, uint32_t key) {
+  const __m512i h = mix32x16(_mm512_xor_si512(hashed, _mm512_set1_epi32((int)key)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 9)), _mm512_set1_ps(0x1p-23f));
+}
+#endif
+
+// The uniform numbers in [0, 1) (multiples of 2^-23) of the elements base .. base + 255 of a stream
+// (only the moments rounded stochastically): a function of (key, element index) only (codecs.uniforms),
+// so chunking and threads do not matter.
 inline void draws(int64_t base, const Hyper& h, float* __restrict um, float* __restrict uv) {
+#if defined(__AVX512F__)
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int i = 0; i < CHUNK; i += 16) {
+    const __m512i hashed = mix32x16(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(base + i)), iota));
+    if (h.sr_m) _mm512_store_ps(um + i, uniform16(hashed, h.key_m));
+    if (h.sr_v) _mm512_store_ps(uv + i, uniform16(hashed, h.key_v));
+  }
+#else
   for (int i = 0; i < CHUNK; ++i) {
     const uint32_t hashed = mix32((uint32_t)(base + i));
-    um[i] = (float)(mix32(hashed ^ h.key_m) >> 9) * 0x1p-23f;
-    uv[i] = (float)(mix32(hashed ^ h.key_v) >> 9) * 0x1p-23f;
+    if (h.sr_m) um[i] = (float)(mix32(hashed ^ h.key_m) >> 9) * 0x1p-23f;
+    if (h.sr_v) uv[i] = (float)(mix32(hashed ^ h.key_v) >> 9) * 0x1p-23f;
   }
+#endif
 }
 
 // Stochastic rounding of nb normalized values between their two neighbouring map values (codecs.
@@ -179,6 +215,24 @@ template <int W>
 inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, float inv, const float* __restrict u,
                         uint8_t* __restrict out) {
   constexpr int L = MMap<W>::L;
+#if defined(__AVX512F__)
+  const __m512 sorted = m_sorted16<W>(), above = m_above16<W>();
+  const __m512 vpre = _mm512_set1_ps(pre), vinv = _mm512_set1_ps(inv);
+  const __m512i last = _mm512_set1_epi32(L - 1), one = _mm512_set1_epi32(1);
+  const __m512i off = _mm512_set1_epi32(L - MMap<W>::ZERO);
+  for (int i = 0; i < nb; i += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(bits + i)), vpre), vinv);
+    const __m512i j = count_prefix<L, _CMP_GE_OQ>(y, above);  // values above the lowest that are <= y
+    const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(j, one), last);
+    const __m512 lo = _mm512_permutexvar_ps(j, sorted), hi = _mm512_permutexvar_ps(nx, sorted);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(y, lo),
+                                            _mm512_mul_ps(_mm512_loadu_ps(u + i), _mm512_sub_ps(hi, lo)), _CMP_GT_OQ);
+    const __m512i idx = _mm512_mask_blend_epi32(up, j, nx);
+    const __m512i code = _mm512_and_si512(_mm512_add_epi32(idx, off), last);
+    _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(code));
+  }
+  return;
+#endif
   const float* T = MMap<W>::SORTED;
   for (int i = 0; i < nb; ++i) {
     const float y = (bfloat(bits[i]) * pre) * inv;
@@ -194,6 +248,20 @@ template <int W>
 inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, const float* __restrict u,
                         uint8_t* __restrict out) {
   constexpr int L = VMap<W>::L;
+#if defined(__AVX512F__)
+  const __m512 table = v_decode16<W>(), below = v_below16<W>(), vinv = _mm512_set1_ps(inv);
+  const __m512i last = _mm512_set1_epi32(L - 1), one = _mm512_set1_epi32(1);
+  for (int i = 0; i < nb; i += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(bits + i)), vinv);
+    const __m512i k = count_prefix<L, _CMP_LT_OQ>(y, below);  // values below the largest that are > y
+    const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(k, one), last);
+    const __m512 upper = _mm512_permutexvar_ps(k, table), lower = _mm512_permutexvar_ps(nx, table);
+    const __mmask16 up = _mm512_cmp_ps_mask(
+        _mm512_sub_ps(y, lower), _mm512_mul_ps(_mm512_loadu_ps(u + i), _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
+    _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(up, nx, k)));
+  }
+  return;
+#endif
   const float* D = VMap<W>::DECODE;
   for (int i = 0; i < nb; ++i) {
     const float y = bfloat(bits[i]) * inv;
