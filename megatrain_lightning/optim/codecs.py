@@ -34,7 +34,14 @@ Codes are uint8 bytes holding 8 / width codes each, element ``k`` of byte ``j`` 
 leaves its unused bits 0.
 
 Encoding rounds to the nearest code (ties: half to even for E4M3 and the linear map, down for the
-first-moment tables; the log map compares with the geometric means of neighbouring values). Inputs are
+first-moment tables; the log map compares with the geometric means of neighbouring values), or, for
+the moments a table format names in ``Format.stochastic``, *stochastically*: to one of the two
+neighbouring values, the farther with probability distance / gap, so that the stored value is
+unbiased (between the map's ends) and v's slow average is not stuck on its code when each step moves
+it by less than half a code. The random numbers are counter-based (``uniforms``: a 32-bit hash of
+the element's index in its stream and a key of the stream's seed and the optimizer step), so a run is
+reproducible and independent of how the stream is cut into slices or threads, and a resumed run draws
+the same numbers. Stochastic rounding changes the encoder only: the codes decode as before. Inputs are
 cleaned first, so no NaN or Inf ever comes out: NaN encodes as 0, +-Inf and magnitudes above ``CLAMP``
 (FLT_MAX less 2 ulp) as +-CLAMP, and v's negative values and -0.0 as 0. A power-of-two pre-scale keeps
 ``1 / absmax`` finite for subnormal blocks. The second moment's block max never drops below
@@ -53,6 +60,8 @@ Error bounds per element x of a block whose cleaned absmax is A (checked by test
   ``x >= s / 2`` and ``dec = s`` below; always ``dec >= s > 0``.
 * v, log map with step ``r`` octaves over ``L`` codes, ``S = max(A, 2^-100)``, ``lo = S * 2^(-r(L-1))``:
   ``|dec - x| <= (2^(r/2) - 1) * x * (1 + 2^-12)`` for ``x >= lo`` and ``dec = lo`` below; ``dec > 0``.
+* Stochastic rounding: the whole gap instead of half of it (m: the largest gap of the map, or the
+  distance from -1; v: ``(2^r - 1) * x``); values of the map encode exactly.
 
 The fused optimizer step (``quantized.py``) uses exactly these codecs; its C++ kernel and torch
 fallback agree with this module bit for bit.
