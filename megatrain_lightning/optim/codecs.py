@@ -403,10 +403,11 @@ def _round_stochastic(y: Tensor, values: Tensor, u: Tensor, ascending: bool) -> 
     does (values beyond them go to the end; a value of the map encodes exactly). ``values`` ascending
     (m) or descending (v); in fp32 operations the kernel repeats."""
     levels = values.numel()
-    index = torch.zeros(y.shape, dtype=torch.int64)
-    hit = torch.empty(y.shape, dtype=torch.bool)
-    for t in values[1:].tolist():  # j: the last value on the near side of y (the lower for m)
-        index += torch.ge(y, t, out=hit) if ascending else torch.lt(y, t, out=hit)
+    # index: the values after the first on y's near side (m: <= y; v: > y), i.e. the near neighbour's
+    if ascending:
+        index = torch.bucketize(y, values[1:], right=True)
+    else:
+        index = torch.bucketize(y, values[1:].flip(0), right=True).neg_().add_(levels - 1)
     nxt = (index + 1).clamp_(max=levels - 1)
     near, far = values[index], values[nxt]
     # m: near <= y < far; v (descending): far <= y < near
