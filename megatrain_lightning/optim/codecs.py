@@ -141,9 +141,9 @@ class Format:
 
 FORMATS = {
     8: Format("int8", 8, 256, 8, 128, None),
-    4: Format("int4", 4, 64, 4, 128, 0.5),
-    3: Format("int3", 4, 64, 2, 64, 2.0),
-    2: Format("int2", 2, 32, 2, 64, 2.0),
+    4: Format("int4", 4, 64, 4, 128, 0.5, stochastic=("v",)),
+    3: Format("int3", 4, 64, 2, 64, 2.0, stochastic=("v",)),
+    2: Format("int2", 2, 32, 2, 64, 2.0, stochastic=("v",)),
 }
 FORMAT_VERSION = 2  # of the stored codes; 1: int4 with blocks of 128 and a linear v map (issue 4)
 
