@@ -131,7 +131,7 @@ def test_compressed_state_converges_like_fp32():
 
 
 @pytest.mark.parametrize(
-    ("compression", "tier"), [("int4", "host"), ("int2", "disk"), ("int8", "disk"), ("none", "disk")]
+    ("compression", "tier"), [("int4", "host"), ("int4", "disk"), ("int8", "disk"), ("none", "disk")]
 )
 def test_chunked_updates_equal_whole_block_updates(tmp_path, compression, tier):
     """Blocks cut into 1024-element chunks (parameters and quantization blocks split across chunks, the
