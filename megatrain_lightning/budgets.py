@@ -72,6 +72,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
         cache_bytes=cache_bytes,
         keep_offload_dir=strategy.keep_offload_dir,
         io=strategy.io,
+        zero_copy=strategy.zero_copy,
     )
     return config, created
 

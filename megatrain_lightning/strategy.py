@@ -89,6 +89,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         io_threads: disk tier: blocks read or written at once.
         io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
             pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size.
+        zero_copy: on the CPU with fp32 compute and the host tier, blocks compute on the store's weights
+            themselves (no slots, nothing copied); ``False`` copies them into slots as on a GPU.
     """
 
     strategy_name = "megatrain"
@@ -107,6 +109,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         optimizer_threads: int = 1,
         io_threads: int = 4,
         io_chunk_mb: float = 16,
+        zero_copy: bool = True,
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
@@ -144,6 +147,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if budgets.gb_option("io_chunk_mb", io_chunk_mb) is None:
             raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
         self.optimizer_threads = optimizer_threads
+        self.zero_copy = bool(zero_copy)
         # Whole pages: O_DIRECT calls move page-aligned lengths.
         chunk_bytes = max(ALIGNMENT, int(io_chunk_mb * (1 << 20)) // ALIGNMENT * ALIGNMENT)
         self.io = IOConfig(chunk_bytes=chunk_bytes, threads=io_threads)

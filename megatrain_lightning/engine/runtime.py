@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.host_views import HostViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
@@ -80,6 +81,19 @@ class EngineConfig:
     cache_bytes: int = 0  # disk tier: host cache budget
     keep_offload_dir: bool = False
     io: IOConfig = field(default_factory=IOConfig)
+    zero_copy: bool = True  # where the device is the host, compute on the store's weights (host_views.py)
+
+    @property
+    def binds_store(self) -> bool:
+        """Whether blocks compute on the store's fp32 buffers themselves, not on slot copies: the CPU with
+        fp32 compute and the host tier (:mod:`.host_views`)."""
+        return (
+            self.zero_copy
+            and self.device.type == "cpu"
+            and self.compute_dtype == torch.float32
+            and not self.mixed_precision
+            and self.offload_dir is None
+        )
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
@@ -169,7 +183,9 @@ class Engine:
         self.config = config
         self.pager = self._make_pager(config)
 
-    def _make_pager(self, config: EngineConfig) -> Pager:
+    def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
+        if config.binds_store:
+            return HostViews(self.store, self.stats)
         return Pager(
             self.store,
             config.device,
@@ -360,7 +376,7 @@ class Engine:
             self._hint_store()
             tensors = {}
             for index in site.param_indices:
-                view = self.pager.layout.view(block.index, index, slot)
+                view = self.pager.view(block.index, index, slot)
                 tensors[index] = (
                     view.detach().requires_grad_(placeholders[index].requires_grad) if grad else view
                 )

@@ -103,7 +103,7 @@ class CPUAdamW(Optimizer):
         self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
         self.stats = stats or EngineStats()
         # One object shared with Lightning's wrapper of this optimizer (which copies ``__dict__``).
-        self.updates = UpdateQueue(threads, self.stats)
+        self.updates = UpdateQueue(threads, self.stats, grads.device)
         super().__init__(params, defaults)
         self.store = store
         self.grads = grads

@@ -14,11 +14,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_for_any
+
+import torch
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy
+from megatrain_lightning.engine.threads import optimizer_threads, worker_pool
 from megatrain_lightning.telemetry.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -51,12 +54,14 @@ class FirstFailure:
 
 
 class UpdateQueue:
-    """At most one pending update per block, run by ``threads`` workers; back-pressure at ``2 * threads``."""
+    """At most one pending update per block, run by ``threads`` workers; back-pressure at ``2 * threads``.
+    Their parallel ops use the cores that compute on ``device`` leaves (:mod:`..engine.threads`)."""
 
-    def __init__(self, threads: int, stats: EngineStats) -> None:
+    def __init__(self, threads: int, stats: EngineStats, device: torch.device | None = None) -> None:
         self.stats = stats
         self.max_queued = 2 * threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="megatrain-adamw")
+        intra_op = optimizer_threads(device or torch.device("cpu"), threads)
+        self._pool = worker_pool(threads, "megatrain-adamw", intra_op)
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}  # block -> its latest update (kept once done)
         self._submitted: set[int] = set()  # blocks submitted since ``new_step``
