@@ -103,14 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     print(f"mm {m}x{k} @ {k}x{n}, {args.repeats} rounds of {args.seconds} s, load average after: {load}")
-    print(f"{'condition':<8} {'median mm ms':>12} {'/ none median':>13} {'range':>13} {'main thr':>8} {'ops':>6}")
+    print(f"{'condition':<9} {'mm ms':>7} {'/ none':>7} {'range':>13} {'main thr':>8} {'worker ops':>10}")
     for condition in CONDITIONS:
         ratios = [r[condition]["mm_s"] / r["none"]["mm_s"] for r in rounds]
         mm_ms = statistics.median(r[condition]["mm_s"] for r in rounds) * 1e3
         last = rounds[-1][condition]
         print(
-            f"{condition:<8} {mm_ms:>12.3f} {statistics.median(ratios):>13.3f} "
-            f"{min(ratios):>6.3f}-{max(ratios):<6.3f} {last['main_threads']:>8} {last['worker_ops']:>6}"
+            f"{condition:<9} {mm_ms:>7.3f} {statistics.median(ratios):>7.3f} "
+            f"{min(ratios):>6.3f}-{max(ratios):<6.3f} {last['main_threads']:>8} {last['worker_ops']:>10}"
         )
 
 

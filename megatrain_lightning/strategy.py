@@ -21,6 +21,7 @@ from typing_extensions import override
 from megatrain_lightning import budgets
 from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
+from megatrain_lightning.engine.threads import update_workers
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
@@ -287,7 +288,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             locate=locate,
             stats=engine.stats,
             compression=self.optimizer_compression,
-            threads=self.optimizer_threads,
+            threads=update_workers(
+                engine.config.device, engine.config.offload_dir is None, self.optimizer_threads
+            ),
         )
         optimizer.defer_updates = bool(trainer.gradient_clip_val) or _reads_final_gradients(trainer)
         if engine.optimizer is not None:

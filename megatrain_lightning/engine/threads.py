@@ -47,6 +47,14 @@ def optimizer_threads(device: torch.device, workers: int) -> int:
     return max(1, (torch.get_num_threads() - 1) // workers)
 
 
+def update_workers(device: torch.device, host_tier: bool, requested: int) -> int:
+    """Worker threads for block updates: none where compute runs on the CPU over a store in RAM (an update
+    beside compute's ops, which use every core, only stalls their OpenMP teams, and has no I/O to wait
+    for: it runs at full width in the compute thread once its block's gradients are final); else
+    ``requested``."""
+    return 0 if device.type == "cpu" and host_tier else requested
+
+
 def limit_this_thread(threads: int) -> None:
     """Run this thread's parallel ops on ``threads`` OpenMP threads; other threads keep theirs."""
     set_threads = _omp_set_num_threads()

@@ -66,7 +66,7 @@ class CPUAdamW(Optimizer):
             (:mod:`megatrain_lightning.optim.codecs`) and updated by one fused pass
             (:mod:`megatrain_lightning.optim.quantized`); small parameters, embeddings and the head keep
             fp32 moments unless ``compress_all_blocks``.
-        threads: worker threads running block updates.
+        threads: worker threads running block updates (``0``: in the thread that submits them).
     """
 
     def __init__(

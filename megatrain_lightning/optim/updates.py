@@ -54,14 +54,15 @@ class FirstFailure:
 
 
 class UpdateQueue:
-    """At most one pending update per block, run by ``threads`` workers; back-pressure at ``2 * threads``.
-    Their parallel ops use the cores that compute on ``device`` leaves (:mod:`..engine.threads`)."""
+    """At most one pending update per block, run by ``threads`` workers (``0``: each in the thread that
+    submits it); back-pressure at ``2 * threads``. The workers' parallel ops use the cores that compute on
+    ``device`` leaves (:mod:`..engine.threads`)."""
 
     def __init__(self, threads: int, stats: EngineStats, device: torch.device | None = None) -> None:
         self.stats = stats
         self.max_queued = 2 * threads
-        intra_op = optimizer_threads(device or torch.device("cpu"), threads)
-        self._pool = worker_pool(threads, "megatrain-adamw", intra_op)
+        intra_op = optimizer_threads(device or torch.device("cpu"), max(threads, 1))
+        self._pool = worker_pool(threads, "megatrain-adamw", intra_op) if threads else None
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}  # block -> its latest update (kept once done)
         self._submitted: set[int] = set()  # blocks submitted since ``new_step``
@@ -90,7 +91,10 @@ class UpdateQueue:
             self._pending[block] = future
         try:
             prepare(future)
-            self._pool.submit(self._run, run, future)
+            if self._pool is None:
+                self._run(run, future)
+            else:
+                self._pool.submit(self._run, run, future)
         except BaseException as err:
             # Kept as a copy: err's traceback holds this thread's frames (see ``result_of``).
             self.failure.record(fresh_copy(err))
@@ -139,7 +143,8 @@ class UpdateQueue:
         again (a later ``fit`` starts clean with new updates); one never raised is logged."""
         for future in self._all():
             future.exception()
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.failure.log_unreported()
 
     def futures(self) -> list[Future]:
