@@ -9,24 +9,22 @@ two worker threads (as the engine's prefetch and optimizer workers) are
 - ``busy``: copying and adding 16 MB tensors, each at the default size, with a pause after each op (a
   duty cycle like the engine's workers);
 - ``busy-1``: the same, one thread each;
-- ``set-1``: a worker calls ``torch.set_num_threads(1)`` before the main thread's first parallel op
-  (the pitfall: the main thread then runs single-threaded too).
+- ``set-1``: a worker calls ``torch.set_num_threads(1)`` (the pitfall: that also sets MKL's process-wide
+  count, so the main thread's ``mm`` runs single-threaded, and ATen's default for every thread that has
+  not run a parallel op yet).
 
-Each condition runs in a fresh process (OpenMP's thread pools outlive their use), the conditions
-round-robin ``--repeats`` times; per round the ratio to ``none`` is taken, and the median and range of
-the rounds are printed, with the main thread's ``torch.get_num_threads()`` and the workers' ops done.
+The conditions run round-robin ``--repeats`` times in one process (a worker's OpenMP pool goes with
+its thread, so each round starts clean), ``set-1`` last (it changes the process for good); per round
+the ratio to that round's ``none`` is taken, and the median and range over the rounds are printed, with
+the main thread's ``torch.get_num_threads()`` and the ops the workers did.
 
-    python benchmarks/repro_threads.py --repeats 5
+    python benchmarks/repro_threads.py --repeats 20
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
@@ -79,34 +77,25 @@ def run_condition(condition: str, seconds: float, m: int, k: int, n: int) -> dic
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=2.0, help="timed mm loop per condition and round")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=0.5, help="timed mm loop per condition and round")
     parser.add_argument("--shape", default="256,1024,1024", help="m,k,n of the mm")
-    parser.add_argument("--condition", choices=CONDITIONS, help=argparse.SUPPRESS)  # one run, in a child
     args = parser.parse_args(argv)
     m, k, n = (int(v) for v in args.shape.split(","))
-    if args.condition:
-        print(json.dumps(run_condition(args.condition, args.seconds, m, k, n)))
-        return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    rounds: list[dict[str, dict[str, float]]] = []
-    for _ in range(args.repeats):
-        results = {}
-        for condition in CONDITIONS:
-            out = subprocess.run(
-                [sys.executable, __file__, "--condition", condition, "--seconds", str(args.seconds),
-                 "--shape", args.shape],
-                capture_output=True, text=True, check=True, env=env,
-            )  # fmt: skip
-            results[condition] = json.loads(out.stdout.strip().splitlines()[-1])
-        rounds.append(results)
+    rounds = [
+        {c: run_condition(c, args.seconds, m, k, n) for c in CONDITIONS if c != "set-1"}
+        for _ in range(args.repeats)
+    ]
+    rounds[-1]["set-1"] = run_condition("set-1", args.seconds, m, k, n)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    print(f"mm {m}x{k} @ {k}x{n}, {args.repeats} rounds of {args.seconds} s, load average after: {load}")
+    print(
+        f"mm {m}x{k} @ {k}x{n}, {args.repeats} rounds of {args.seconds} s (set-1: last), load after: {load}"
+    )
     print(f"{'condition':<9} {'mm ms':>7} {'/ none':>7} {'range':>13} {'main thr':>8} {'worker ops':>10}")
     for condition in CONDITIONS:
-        ratios = [r[condition]["mm_s"] / r["none"]["mm_s"] for r in rounds]
-        mm_ms = statistics.median(r[condition]["mm_s"] for r in rounds) * 1e3
+        ratios = [r[condition]["mm_s"] / r["none"]["mm_s"] for r in rounds if condition in r]
+        mm_ms = statistics.median(r[condition]["mm_s"] for r in rounds if condition in r) * 1e3
         last = rounds[-1][condition]
         print(
             f"{condition:<9} {mm_ms:>7.3f} {statistics.median(ratios):>7.3f} "
