@@ -86,7 +86,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             model's ``_no_split_modules``.
         activation_checkpointing: keep only block-boundary activations and recompute each block in backward.
         prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow).
-        optimizer_threads: worker threads for block updates.
+        optimizer_threads: worker threads for block updates (none on the CPU without ``offload_dir``: there
+            each update runs in the compute thread, see ``engine/threads.py``).
         io_threads: disk tier: blocks read or written at once.
         io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
             pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size.

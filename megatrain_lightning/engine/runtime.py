@@ -25,7 +25,10 @@ Threads and locks (the contract every part keeps):
 - the gradient-offload worker (CUDA) adds copied gradients into the store and submits the block's
   update; ``flush`` waits for all of its work before anyone reads the sums;
 - the optimizer's workers run block updates (:mod:`megatrain_lightning.optim.updates` guards what is
-  pending); a block's buffers are touched only by its update, or by a thread that waited for it;
+  pending; on the CPU over a store in RAM there are none: updates run in the compute thread); a block's
+  buffers are touched only by its update, or by a thread that waited for it;
+- every worker pool comes from :mod:`megatrain_lightning.engine.threads`, which keeps workers' OpenMP
+  teams off the compute thread's cores;
 - the disk tier's I/O workers read and write block files; its cache is guarded by ``DiskStore._cond``.
 """
 
