@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import lightning as L
 import pytest
@@ -15,7 +16,9 @@ import torch
 from conftest import tiny_model, user_fit
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.engine.threads import optimizer_threads
+from megatrain_lightning.engine.threads import optimizer_threads, update_workers
+from megatrain_lightning.optim.updates import UpdateQueue
+from megatrain_lightning.telemetry.stats import EngineStats
 
 
 class WeightAddresses(L.Callback):
@@ -89,3 +92,20 @@ def test_optimizer_threads_take_the_cores_compute_leaves(monkeypatch):
     assert optimizer_threads(torch.device("cpu"), 2) == 1  # compute uses every core
     assert optimizer_threads(torch.device("cuda"), 2) == 4  # 8 cores beside the compute thread
     assert optimizer_threads(torch.device("cuda"), 16) == 1
+
+
+def test_updates_run_in_the_compute_thread_where_compute_uses_every_core():
+    assert update_workers(torch.device("cpu"), host_tier=True, requested=2) == 0
+    assert update_workers(torch.device("cpu"), host_tier=False, requested=2) == 2  # disk I/O to overlap
+    assert update_workers(torch.device("cuda"), host_tier=True, requested=2) == 2
+    queue, ran_in = UpdateQueue(0, EngineStats()), []
+    queue.submit(0, lambda future: None, lambda: ran_in.append(threading.current_thread()))
+    assert ran_in == [threading.current_thread()] and all(f.done() for f in queue.futures())
+
+    def fails() -> None:
+        raise OSError("injected update failure")
+
+    queue.submit(1, lambda future: None, fails)  # reported where updates are waited for, as from a worker
+    with pytest.raises(OSError, match="injected update failure"):
+        queue.wait_all()
+    queue.close()
