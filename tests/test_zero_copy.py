@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_model, user_fit
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.engine.threads import optimizer_threads, update_workers
+from megatrain_lightning.engine.threads import bulk_threads, update_workers
 from megatrain_lightning.optim.updates import UpdateQueue
 from megatrain_lightning.telemetry.stats import EngineStats
 
@@ -87,11 +87,11 @@ def test_worker_threads_run_single_threaded_and_leave_the_compute_thread_its_siz
     assert out.stdout.split() == ["[1,", "1]", "2"]
 
 
-def test_optimizer_threads_take_the_cores_compute_leaves(monkeypatch):
+def test_bulk_work_takes_the_cores_compute_leaves(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 9)
-    assert optimizer_threads(torch.device("cpu"), 2) == 1  # compute uses every core
-    assert optimizer_threads(torch.device("cuda"), 2) == 4  # 8 cores beside the compute thread
-    assert optimizer_threads(torch.device("cuda"), 16) == 1
+    assert bulk_threads(torch.device("cpu"), 2) == 1  # compute uses every core
+    assert bulk_threads(torch.device("cuda"), 2) == 4  # 8 cores beside the compute thread
+    assert bulk_threads(torch.device("cuda"), 16) == 1
 
 
 def test_updates_run_in_the_compute_thread_where_compute_uses_every_core():

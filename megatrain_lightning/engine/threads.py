@@ -3,16 +3,19 @@
 ATen runs a parallel op on an OpenMP team sized by the calling thread's ``omp_get_max_threads``. A
 worker thread (prefetch, gradient offload, block update, disk I/O) with the default size starts a team
 of its own beside the compute thread's, and libgomp, seeing more busy threads than cores, drops to its
-short-spin mode: the compute thread's teams then fall asleep between ops and wake up slowly (about 10%
-on a 170M Llama step on two cores, ``benchmarks/repro_threads.py``). So each worker sets its own size
-first, through the OpenMP runtime that torch loaded: ``omp_set_num_threads`` changes only the calling
-thread. ``torch.set_num_threads`` would not do: it also sets MKL's process-wide count and ATen's
-default for every thread that has not run a parallel op yet, the compute thread included.
+short-spin mode: the compute thread's teams then fall asleep between ops and wake up slowly (two idle
+workers that had run one parallel op each slowed a plain 170M Llama step on two cores by 10%:
+``benchmarks/RESULTS.md``; ``benchmarks/repro_threads.py`` times an ``mm`` loop beside workers). So
+each worker sets its own size first, through the OpenMP runtime that torch loaded:
+``omp_set_num_threads`` changes only the calling thread. ``torch.set_num_threads`` would not do: it
+also sets MKL's process-wide count and ATen's default for every thread that has not run a parallel op
+yet, the compute thread included.
 
 Sizes: where the compute device is the CPU every worker runs single-threaded (compute uses every core);
-on an accelerator the compute thread mostly launches kernels, so the optimizer's workers share the
-cores it leaves. Where no OpenMP runtime is found in the process (a build on another runtime, no
-``/proc``), workers keep the runtime's default size.
+on an accelerator the compute thread mostly launches kernels, so the workers doing bulk host work
+(block updates, gradient sums) get the cores it leaves. Where no OpenMP runtime is found in the process
+(a build on another runtime, no ``/proc``), workers keep the runtime's default size; on the CPU over a
+store in RAM, block updates then still run in the compute thread (``update_workers``).
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ def worker_pool(workers: int, name: str, threads: int = 1) -> ThreadPoolExecutor
     )
 
 
-def optimizer_threads(device: torch.device, workers: int) -> int:
-    """OpenMP threads for each of ``workers`` optimizer workers beside compute on ``device``: one where
-    compute runs on the CPU; on an accelerator, the cores the compute thread leaves, split between them."""
+def bulk_threads(device: torch.device, workers: int) -> int:
+    """OpenMP threads for each of ``workers`` workers doing the host's bulk work (block updates, gradient
+    sums) beside compute on ``device``: one where compute runs on the CPU; on an accelerator, the cores
+    the compute thread leaves, split between them."""
     if device.type == "cpu":
         return 1
     return max(1, (torch.get_num_threads() - 1) // workers)

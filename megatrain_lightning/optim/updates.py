@@ -21,7 +21,7 @@ import torch
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy
-from megatrain_lightning.engine.threads import optimizer_threads, worker_pool
+from megatrain_lightning.engine.threads import bulk_threads, worker_pool
 from megatrain_lightning.telemetry.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class UpdateQueue:
     def __init__(self, threads: int, stats: EngineStats, device: torch.device | None = None) -> None:
         self.stats = stats
         self.max_queued = 2 * threads
-        intra_op = optimizer_threads(device or torch.device("cpu"), max(threads, 1))
+        intra_op = bulk_threads(device or torch.device("cpu"), max(threads, 1))
         self._pool = worker_pool(threads, "megatrain-adamw", intra_op) if threads else None
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}  # block -> its latest update (kept once done)
