@@ -110,7 +110,7 @@ def _disk_tier(
         files = sizing.disk_files_bytes(blocks, strategy.optimizer_compression, gradients=accumulating)
         check_disk_space(path, files)
         default = int(auto.cache_gb * _GB) if auto is not None else min(files, available_ram_bytes() // 2)
-        threads = strategy.optimizer_threads
+        threads = strategy.optimizer_threads or 1
         cuda = strategy.root_device.type == "cuda"
         cache = sizing.cache_bytes_for(
             blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel, cuda

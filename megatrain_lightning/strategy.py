@@ -86,8 +86,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             model's ``_no_split_modules``.
         activation_checkpointing: keep only block-boundary activations and recompute each block in backward.
         prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow).
-        optimizer_threads: worker threads for block updates (none on the CPU without ``offload_dir``: there
-            each update runs in the compute thread, see ``engine/threads.py``).
+        optimizer_threads: worker threads for block updates; ``None``: one, or none on the CPU without
+            ``offload_dir`` (each update then runs in the compute thread, see ``engine/threads.py``).
         io_threads: disk tier: blocks read or written at once.
         io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
             pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size.
@@ -108,7 +108,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         block_classes: Iterable[str | type[nn.Module]] | None = None,
         activation_checkpointing: bool = True,
         prefetch_depth: int | str = "auto",
-        optimizer_threads: int = 1,
+        optimizer_threads: int | None = None,
         io_threads: int = 4,
         io_chunk_mb: float = 16,
         zero_copy: bool = True,
@@ -143,7 +143,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}."
             )
         self.prefetch_depth = prefetch_depth
-        for name, value in [("optimizer_threads", optimizer_threads), ("io_threads", io_threads)]:
+        threads = [("optimizer_threads", optimizer_threads)] if optimizer_threads is not None else []
+        for name, value in [*threads, ("io_threads", io_threads)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MisconfigurationException(f"`{name}` must be an int >= 1; got {value!r}.")
         if budgets.gb_option("io_chunk_mb", io_chunk_mb) is None:

@@ -51,12 +51,14 @@ def bulk_threads(device: torch.device, workers: int) -> int:
     return max(1, (torch.get_num_threads() - 1) // workers)
 
 
-def update_workers(device: torch.device, host_tier: bool, requested: int) -> int:
-    """Worker threads for block updates: none where compute runs on the CPU over a store in RAM (an update
-    beside compute's ops, which use every core, only stalls their OpenMP teams, and has no I/O to wait
-    for: it runs at full width in the compute thread once its block's gradients are final); else
-    ``requested``."""
-    return 0 if device.type == "cpu" and host_tier else requested
+def update_workers(device: torch.device, host_tier: bool, requested: int | None) -> int:
+    """Worker threads for block updates: ``requested``, or by default none where compute runs on the CPU
+    over a store in RAM (an update beside compute's ops, which use every core, only stalls their OpenMP
+    teams, and has no I/O to wait for: it runs at full width in the compute thread once its block's
+    gradients are final), else one."""
+    if requested is not None:
+        return requested
+    return 0 if device.type == "cpu" and host_tier else 1
 
 
 def limit_this_thread(threads: int) -> None:
