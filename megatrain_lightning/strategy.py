@@ -46,6 +46,7 @@ _GB = 1e9
 
 
 _GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")  # where users read gradients
+SCHEDULE_KEY = "megatrain_schedule"  # the engine's traces and update cadence, in a checkpoint
 
 
 def _reads_final_gradients(trainer: pl.Trainer) -> bool:
@@ -383,6 +384,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         engine.wait_all()
         state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         state |= checkpointing.rng_states(self.root_device)
+        state[SCHEDULE_KEY] = engine.schedule_state()
         optimizer = engine.optimizer if checkpoint.get("optimizer_states") else None
         if not self._checkpoint_size_logged:
             self._checkpoint_size_logged = True
@@ -408,6 +410,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         checkpointing.load_weights(ckpt, self.engine, self.lightning_module)
         checkpointing.restore_rng(checkpoint, self.root_device)
+        if SCHEDULE_KEY in checkpoint:  # absent in checkpoints of earlier versions
+            self.engine.load_schedule_state(checkpoint[SCHEDULE_KEY])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -4,8 +4,8 @@ Layout of ``<name>.ckpt/``::
 
     manifest.json              every file with its size and SHA-256; written last
     README.txt                 how to read this directory without megatrain's strategy
-    lightning.pt               Lightning's own state (loops, schedulers, callbacks, hyperparameters, RNG),
-                               loadable with ``torch.load(weights_only=True)``
+    lightning.pt               Lightning's own state (loops, schedulers, callbacks, hyperparameters, RNG)
+                               and the engine's traces, loadable with ``torch.load(weights_only=True)``
     model/block-NNNNN.safetensors      fp32 weights, named as in the LightningModule's state_dict
     model/buffers.safetensors          persistent buffers
     model/config.json                  the Hugging Face config, for ``export_hf``
