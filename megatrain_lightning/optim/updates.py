@@ -2,10 +2,11 @@
 
 Thread contract: the compute thread submits updates (``submit``, from ``CPUAdamW.block_ready`` and
 ``step``) and waits (``wait_for_room`` in backward, ``wait_all`` at the step's end); on CUDA the
-gradient-offload worker submits too; the pool's workers run the updates. Readers of a block (the pager's
-loads) do not come here: the store makes them wait for the change ``prepare`` announced. ``_pending``
-and ``_submitted`` are shared between those threads under ``_lock``; a block's buffers and step counters
-are touched only by its update, or by a thread that waited for it.
+gradient-offload worker submits too; the pool's workers run the updates (without workers, the submitting
+thread runs each at once: the CPU over a store in RAM, see :mod:`..engine.threads`). Readers of a
+block (the pager's loads) do not come here: the store makes them wait for the change ``prepare``
+announced. ``_pending`` and ``_submitted`` are shared between those threads under ``_lock``; a block's
+buffers and step counters are touched only by its update, or by a thread that waited for it.
 """
 
 from __future__ import annotations
