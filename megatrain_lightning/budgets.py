@@ -72,6 +72,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
         cache_bytes=cache_bytes,
         keep_offload_dir=strategy.keep_offload_dir,
         io=strategy.io,
+        zero_copy=strategy.zero_copy,
     )
     return config, created
 
@@ -109,7 +110,7 @@ def _disk_tier(
         files = sizing.disk_files_bytes(blocks, strategy.optimizer_compression, gradients=accumulating)
         check_disk_space(path, files)
         default = int(auto.cache_gb * _GB) if auto is not None else min(files, available_ram_bytes() // 2)
-        threads = strategy.optimizer_threads
+        threads = strategy.optimizer_threads or 1
         cuda = strategy.root_device.type == "cuda"
         cache = sizing.cache_bytes_for(
             blocks, threads, strategy.max_cpu_gb, default, strategy.io.chunk_numel, cuda

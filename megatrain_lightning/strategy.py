@@ -21,6 +21,7 @@ from typing_extensions import override
 from megatrain_lightning import budgets
 from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
+from megatrain_lightning.engine.threads import update_workers
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
@@ -85,10 +86,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             model's ``_no_split_modules``.
         activation_checkpointing: keep only block-boundary activations and recompute each block in backward.
         prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow).
-        optimizer_threads: worker threads for block updates.
+        optimizer_threads: worker threads for block updates; ``None``: one, or none on the CPU without
+            ``offload_dir`` (each update then runs in the compute thread, see ``engine/threads.py``).
         io_threads: disk tier: blocks read or written at once.
         io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
             pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size.
+        zero_copy: on the CPU with fp32 compute and the host tier, blocks compute on the store's weights
+            themselves (no slots, nothing copied); ``False`` copies them into slots as on a GPU.
     """
 
     strategy_name = "megatrain"
@@ -104,9 +108,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         block_classes: Iterable[str | type[nn.Module]] | None = None,
         activation_checkpointing: bool = True,
         prefetch_depth: int | str = "auto",
-        optimizer_threads: int = 1,
+        optimizer_threads: int | None = None,
         io_threads: int = 4,
         io_chunk_mb: float = 16,
+        zero_copy: bool = True,
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
@@ -138,12 +143,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}."
             )
         self.prefetch_depth = prefetch_depth
-        for name, value in [("optimizer_threads", optimizer_threads), ("io_threads", io_threads)]:
+        threads = [("optimizer_threads", optimizer_threads)] if optimizer_threads is not None else []
+        for name, value in [*threads, ("io_threads", io_threads)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MisconfigurationException(f"`{name}` must be an int >= 1; got {value!r}.")
         if budgets.gb_option("io_chunk_mb", io_chunk_mb) is None:
             raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
         self.optimizer_threads = optimizer_threads
+        self.zero_copy = bool(zero_copy)
         # Whole pages: O_DIRECT calls move page-aligned lengths.
         chunk_bytes = max(ALIGNMENT, int(io_chunk_mb * (1 << 20)) // ALIGNMENT * ALIGNMENT)
         self.io = IOConfig(chunk_bytes=chunk_bytes, threads=io_threads)
@@ -283,7 +290,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             locate=locate,
             stats=engine.stats,
             compression=self.optimizer_compression,
-            threads=self.optimizer_threads,
+            threads=update_workers(
+                engine.config.device, engine.config.offload_dir is None, self.optimizer_threads
+            ),
         )
         optimizer.defer_updates = bool(trainer.gradient_clip_val) or _reads_final_gradients(trainer)
         if engine.optimizer is not None:

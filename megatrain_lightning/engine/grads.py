@@ -16,13 +16,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy
+from megatrain_lightning.engine.threads import bulk_threads, worker_pool
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.memory import host_empty
 from megatrain_lightning.store.sizing import STAGING_BUFFERS
@@ -53,7 +54,7 @@ class HostGrads:
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
         asynchronous = cuda if asynchronous is None else asynchronous
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-offload") if asynchronous else None
+        self._worker = worker_pool(1, "megatrain-offload", bulk_threads(device, 1)) if asynchronous else None
         # One permit per staging buffer: taken before the copy, given back after the host add.
         self.max_in_flight = max_in_flight
         self._room = threading.BoundedSemaphore(max_in_flight)

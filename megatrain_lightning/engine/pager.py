@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ from torch import Tensor
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import result_of
 from megatrain_lightning.engine.slots import SlotLayout
+from megatrain_lightning.engine.threads import worker_pool
 from megatrain_lightning.engine.trace import Trace
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -82,11 +83,11 @@ class Pager:
         self._resident: dict[int, _Slot] = {}
         self._cond = threading.Condition()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-prefetch")
+        self._worker = worker_pool(1, "megatrain-prefetch")
         # Waits for on-demand copies and unpins their host buffers; never queued behind a prefetch, which
         # may wait (disk tier) for the room those pins hold.
         cuda = self._copy_stream is not None
-        self._copy_waiter = ThreadPoolExecutor(1, thread_name_prefix="megatrain-copy-wait") if cuda else None
+        self._copy_waiter = worker_pool(1, "megatrain-copy-wait") if cuda else None
 
     @property
     def num_slots(self) -> int:
@@ -123,6 +124,10 @@ class Pager:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
         self.stats.add(fetch_wait_s=time.perf_counter() - start)
         return slot.buf
+
+    def view(self, block: int, index: int, slot: Tensor) -> Tensor:
+        """Parameter ``index`` of ``block`` in its acquired ``slot``, shaped."""
+        return self.layout.view(block, index, slot)
 
     def release(self, block: int) -> None:
         with self._cond:

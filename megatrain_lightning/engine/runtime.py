@@ -25,7 +25,10 @@ Threads and locks (the contract every part keeps):
 - the gradient-offload worker (CUDA) adds copied gradients into the store and submits the block's
   update; ``flush`` waits for all of its work before anyone reads the sums;
 - the optimizer's workers run block updates (:mod:`megatrain_lightning.optim.updates` guards what is
-  pending); a block's buffers are touched only by its update, or by a thread that waited for it;
+  pending; on the CPU over a store in RAM there are none: updates run in the compute thread); a block's
+  buffers are touched only by its update, or by a thread that waited for it;
+- every worker pool comes from :mod:`megatrain_lightning.engine.threads`, which keeps workers' OpenMP
+  teams off the compute thread's cores;
 - the disk tier's I/O workers read and write block files; its cache is guarded by ``DiskStore._cond``.
 """
 
@@ -48,6 +51,7 @@ from torch.utils._pytree import tree_flatten
 
 from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.host_views import HostViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
@@ -80,6 +84,19 @@ class EngineConfig:
     cache_bytes: int = 0  # disk tier: host cache budget
     keep_offload_dir: bool = False
     io: IOConfig = field(default_factory=IOConfig)
+    zero_copy: bool = True  # where the device is the host, compute on the store's weights (host_views.py)
+
+    @property
+    def binds_store(self) -> bool:
+        """Whether blocks compute on the store's fp32 buffers themselves, not on slot copies: the CPU with
+        fp32 compute and the host tier (:mod:`.host_views`)."""
+        return (
+            self.zero_copy
+            and self.device.type == "cpu"
+            and self.compute_dtype == torch.float32
+            and not self.mixed_precision
+            and self.offload_dir is None
+        )
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
@@ -169,7 +186,9 @@ class Engine:
         self.config = config
         self.pager = self._make_pager(config)
 
-    def _make_pager(self, config: EngineConfig) -> Pager:
+    def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
+        if config.binds_store:
+            return HostViews(self.store, self.stats)
         return Pager(
             self.store,
             config.device,
@@ -370,7 +389,7 @@ class Engine:
             self._hint_store()
             tensors = {}
             for index in site.param_indices:
-                view = self.pager.layout.view(block.index, index, slot)
+                view = self.pager.view(block.index, index, slot)
                 tensors[index] = (
                     view.detach().requires_grad_(placeholders[index].requires_grad) if grad else view
                 )

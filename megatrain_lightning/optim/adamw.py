@@ -66,7 +66,7 @@ class CPUAdamW(Optimizer):
             (:mod:`megatrain_lightning.optim.codecs`) and updated by one fused pass
             (:mod:`megatrain_lightning.optim.quantized`); small parameters, embeddings and the head keep
             fp32 moments unless ``compress_all_blocks``.
-        threads: worker threads running block updates.
+        threads: worker threads running block updates (``0``: in the thread that submits them).
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class CPUAdamW(Optimizer):
         self._order: list[tuple[int, int]] = []  # (block, index) in param-group order, as torch iterates
         self.stats = stats or EngineStats()
         # One object shared with Lightning's wrapper of this optimizer (which copies ``__dict__``).
-        self.updates = UpdateQueue(threads, self.stats)
+        self.updates = UpdateQueue(threads, self.stats, grads.device)
         super().__init__(params, defaults)
         self.store = store
         self.grads = grads

@@ -2,10 +2,11 @@
 
 Thread contract: the compute thread submits updates (``submit``, from ``CPUAdamW.block_ready`` and
 ``step``) and waits (``wait_for_room`` in backward, ``wait_all`` at the step's end); on CUDA the
-gradient-offload worker submits too; the pool's workers run the updates. Readers of a block (the pager's
-loads) do not come here: the store makes them wait for the change ``prepare`` announced. ``_pending``
-and ``_submitted`` are shared between those threads under ``_lock``; a block's buffers and step counters
-are touched only by its update, or by a thread that waited for it.
+gradient-offload worker submits too; the pool's workers run the updates (without workers, the submitting
+thread runs each at once: the CPU over a store in RAM, see :mod:`..engine.threads`). Readers of a
+block (the pager's loads) do not come here: the store makes them wait for the change ``prepare``
+announced. ``_pending`` and ``_submitted`` are shared between those threads under ``_lock``; a block's
+buffers and step counters are touched only by its update, or by a thread that waited for it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_for_any
+
+import torch
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy
+from megatrain_lightning.engine.threads import bulk_threads, worker_pool
 from megatrain_lightning.telemetry.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -51,12 +55,15 @@ class FirstFailure:
 
 
 class UpdateQueue:
-    """At most one pending update per block, run by ``threads`` workers; back-pressure at ``2 * threads``."""
+    """At most one pending update per block, run by ``threads`` workers (``0``: each in the thread that
+    submits it); back-pressure at ``2 * threads``. The workers' parallel ops use the cores that compute on
+    ``device`` leaves (:mod:`..engine.threads`)."""
 
-    def __init__(self, threads: int, stats: EngineStats) -> None:
+    def __init__(self, threads: int, stats: EngineStats, device: torch.device | None = None) -> None:
         self.stats = stats
         self.max_queued = 2 * threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="megatrain-adamw")
+        intra_op = bulk_threads(device or torch.device("cpu"), max(threads, 1))
+        self._pool = worker_pool(threads, "megatrain-adamw", intra_op) if threads else None
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}  # block -> its latest update (kept once done)
         self._submitted: set[int] = set()  # blocks submitted since ``new_step``
@@ -85,7 +92,10 @@ class UpdateQueue:
             self._pending[block] = future
         try:
             prepare(future)
-            self._pool.submit(self._run, run, future)
+            if self._pool is None:
+                self._run(run, future)
+            else:
+                self._pool.submit(self._run, run, future)
         except BaseException as err:
             # Kept as a copy: err's traceback holds this thread's frames (see ``result_of``).
             self.failure.record(fresh_copy(err))
@@ -134,7 +144,8 @@ class UpdateQueue:
         again (a later ``fit`` starts clean with new updates); one never raised is logged."""
         for future in self._all():
             future.exception()
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.failure.log_unreported()
 
     def futures(self) -> list[Future]:

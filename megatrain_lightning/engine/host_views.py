@@ -1,0 +1,64 @@
+"""Zero-copy residency where the compute device is the host: blocks compute on the store's own weights.
+
+With the CPU as the compute device, fp32 compute and the host tier, a device slot would be a second
+copy of the store's fp32 buffer in the same RAM. :class:`HostViews` takes the :class:`~.pager.Pager`'s
+place there: ``acquire`` hands out the block's flat master weights themselves, once any pending update
+of the block is done (as a load would wait for it), so nothing is copied (``h2d_bytes`` stays 0) and
+no slot memory exists. The store's version gate still holds: an update may start only once the block
+is released (the engine submits it after the block's last use), and a block whose version moved on
+while it was acquired raises at ``release``, as a slot does. Only the compute thread calls it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from megatrain_lightning.engine.trace import Trace
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.telemetry.stats import EngineStats
+
+
+class HostViews:
+    """The pager's interface over the store's buffers: ``acquire`` returns a block's weights as bytes."""
+
+    num_slots = 0  # no slot memory: every block is resident in the store
+
+    def __init__(self, store: HostStore, stats: EngineStats) -> None:
+        self.store = store
+        self.stats = stats
+        self.trace = Trace()
+        self._held: dict[int, tuple[int, int]] = {}  # block -> (pins, store version when first pinned)
+
+    def begin_pass(self, kind: str) -> None:
+        self.trace.begin_pass(kind)
+
+    def acquire(self, block: int, backward: bool) -> Tensor:
+        """``block``'s master weights (the store's flat buffer as bytes), pinned until ``release``."""
+        start = time.perf_counter()
+        self.trace.access((block, backward))
+        flat = self.store.read(block, "param")  # waits for the block's pending update
+        pins, version = self._held.get(block, (0, self.store.version(block)))
+        self._held[block] = (pins + 1, version)
+        self.stats.add(fetch_wait_s=time.perf_counter() - start)
+        return flat.view(torch.uint8)
+
+    def view(self, block: int, index: int, flat: Tensor) -> Tensor:
+        """Parameter ``index`` of ``block`` in its acquired buffer, shaped."""
+        spec = self.store.blocks[block].params[index]
+        return flat.view(torch.float32)[spec.offset : spec.offset + spec.numel].view(spec.shape)
+
+    def release(self, block: int) -> None:
+        pins, version = self._held.pop(block)
+        if pins > 1:
+            self._held[block] = (pins - 1, version)
+        if version != self.store.version(block):
+            raise RuntimeError(f"megatrain: block {block} changed while in use on the device")
+
+    def is_last_use(self, block: int) -> bool:
+        return self.trace.is_last_use(block)
+
+    def close(self) -> None:
+        """Nothing to stop: no worker threads."""
