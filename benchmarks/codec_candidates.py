@@ -339,10 +339,10 @@ def state_errors(args) -> None:
 def shipped(bits: int, stochastic: tuple[str, ...]) -> Callable:
     """Both moments through ``codecs.quantize`` (stochastic rounding for the moments in ``stochastic``,
     keyed as the optimizer keys them: by tensor and step)."""
-    from megatrain_lightning.optim import codecs
+    from megatrain_lightning.optim import codecs, rounding
 
     def codec(kind: str, x: Tensor, tensor_id: int, step: int) -> Tensor:
-        keys = dict(zip("mv", codecs.rounding_keys(tensor_id, step), strict=True))
+        keys = dict(zip("mv", rounding.rounding_keys(tensor_id, step), strict=True))
         key = keys[kind] if kind in stochastic else None
         return codecs.dequantize(*codecs.quantize(x, kind, bits, key), kind, bits, x.numel()).view_as(x)
 

@@ -3,9 +3,9 @@
 from megatrain_lightning.hf_trainer import Trainer, init
 from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
-from megatrain_lightning.serialization.checkpoint import convert_checkpoint, open_checkpoint
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.hf import from_pretrained
+from megatrain_lightning.serialization.single_file import convert_checkpoint, open_checkpoint
 from megatrain_lightning.strategy import MegaTrainStrategy
 
 __all__ = [

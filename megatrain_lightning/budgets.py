@@ -13,6 +13,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
 from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels
+from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.store import sizing
@@ -30,6 +31,27 @@ if TYPE_CHECKING:
     from megatrain_lightning.strategy import MegaTrainStrategy
 
 _GB = 1e9
+
+
+def compression_option(value: str | bool) -> str:
+    """``optimizer_compression``: a mode of ``COMPRESSIONS``; ``True`` (the seed article's) means int4."""
+    if isinstance(value, bool):
+        value = "int4" if value else "none"
+    if value not in COMPRESSIONS:
+        raise MisconfigurationException(
+            f"`optimizer_compression` must be one of {tuple(COMPRESSIONS)}; got {value!r}."
+        )
+    return value
+
+
+def int_option(name: str, value: Any, least: int, auto: bool = False) -> int | str:
+    """An integer option of at least ``least`` (or ``"auto"`` where the planner may choose)."""
+    if auto and value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        choices = "'auto' or an int" if auto else "an int"
+        raise MisconfigurationException(f"`{name}` must be {choices} >= {least}; got {value!r}.")
+    return value
 
 
 def gb_option(name: str, value: Any) -> float | None:

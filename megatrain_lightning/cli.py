@@ -27,8 +27,9 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.planner.plan import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, plan_for
 from megatrain_lightning.planner.table import format_plan
-from megatrain_lightning.serialization.checkpoint import CheckpointError, convert_checkpoint
+from megatrain_lightning.serialization.checkpoint import CheckpointError
 from megatrain_lightning.serialization.export import export_hf
+from megatrain_lightning.serialization.single_file import convert_checkpoint
 from megatrain_lightning.telemetry.monitor import with_progress_bar
 
 # The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.

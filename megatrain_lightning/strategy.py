@@ -23,7 +23,6 @@ from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.engine.threads import update_workers
 from megatrain_lightning.optim import state_dict as adam_state
-from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
@@ -126,27 +125,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             )
         self.offload_dir = None if offload_dir is None else os.fspath(offload_dir)
         self.keep_offload_dir = bool(keep_offload_dir)
-        if isinstance(optimizer_compression, bool):  # the seed article's `optimizer_compression=True`
-            optimizer_compression = "int4" if optimizer_compression else "none"
-        if optimizer_compression not in COMPRESSIONS:
-            raise MisconfigurationException(
-                f"`optimizer_compression` must be one of {tuple(COMPRESSIONS)}; "
-                f"got {optimizer_compression!r}."
-            )
-        self.optimizer_compression = optimizer_compression
+        self.optimizer_compression = budgets.compression_option(optimizer_compression)
         self.block_classes = list(block_classes) if block_classes else None
         self.activation_checkpointing = bool(activation_checkpointing)
-        if prefetch_depth != "auto" and (
-            isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0
-        ):
-            raise MisconfigurationException(
-                f"`prefetch_depth` must be 'auto' or an int >= 0; got {prefetch_depth!r}."
-            )
-        self.prefetch_depth = prefetch_depth
-        threads = [("optimizer_threads", optimizer_threads)] if optimizer_threads is not None else []
-        for name, value in [*threads, ("io_threads", io_threads)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MisconfigurationException(f"`{name}` must be an int >= 1; got {value!r}.")
+        self.prefetch_depth = budgets.int_option("prefetch_depth", prefetch_depth, least=0, auto=True)
+        if optimizer_threads is not None:
+            budgets.int_option("optimizer_threads", optimizer_threads, least=1)
+        budgets.int_option("io_threads", io_threads, least=1)
         if budgets.gb_option("io_chunk_mb", io_chunk_mb) is None:
             raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
         self.optimizer_threads = optimizer_threads

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatrain_lightning.optim import codecs as C
+from megatrain_lightning.optim import packing, rounding
 
 KINDS = [(kind, bits) for bits in C.FORMATS for kind in "mv"]
 FLT_MAX = torch.finfo(torch.float32).max
@@ -171,7 +172,7 @@ def test_stochastic_rounding_is_unbiased(kind: str, bits: int) -> None:
     draws = 1500
     total = torch.zeros(x.numel(), dtype=torch.float64)
     for key in range(draws):
-        total += _roundtrip(x, kind, bits, C.rounding_keys(key, 1)[kind == "v"]).double()
+        total += _roundtrip(x, kind, bits, rounding.rounding_keys(key, 1)[kind == "v"]).double()
     err = (total / draws - x.double()).abs()
     limit = 5 * gap.double() / 2 / draws**0.5 + 1e-6 * x.double()
     assert (err <= limit).all(), float((err / limit).max())
@@ -271,7 +272,7 @@ def test_negative_zero_and_nan_encode_canonically() -> None:
     assert torch.isfinite(out).all() and out[:4].eq(0).all()
     for bits in (4, 2):
         codes, _ = C.quantize(x, "m", bits)
-        assert C.unpack(codes, 6, C.width("m", bits))[:4].tolist() == [0, 0, 0, 0]
+        assert packing.unpack(codes, 6, C.width("m", bits))[:4].tolist() == [0, 0, 0, 0]
 
 
 def test_infinities_saturate() -> None:
@@ -297,10 +298,10 @@ def test_blocks_are_independent() -> None:
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 127, 128, 129, 255, 1001])
 def test_pack_odd_lengths(n: int, width: int) -> None:
     codes = torch.randint(0, 1 << width, (n,), generator=_gen(n), dtype=torch.uint8)
-    packed = C.pack(codes, width)
+    packed = packing.pack(codes, width)
     per = 8 // width
     assert packed.numel() == -(-n // per)
-    assert torch.equal(C.unpack(packed, n, width), codes)
+    assert torch.equal(packing.unpack(packed, n, width), codes)
     for i in range(min(n, 8)):  # element k of byte j in bits [k * width, (k + 1) * width)
         assert (packed[i // per] >> (i % per * width)) & ((1 << width) - 1) == codes[i]
     if n % per:

@@ -77,6 +77,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from megatrain_lightning.optim import packing, rounding
 from megatrain_lightning.store.layout import ALIGN
 
 Kind = Literal["m", "v"]
@@ -223,35 +224,6 @@ def empty_state(
     )  # type: ignore[return-value]
 
 
-# -- packing --
-
-
-def pack(codes: Tensor, width: int) -> Tensor:
-    """uint8 codes below ``2^width`` -> ``8 / width`` per byte, element k of a byte in bits
-    ``[k * width, (k + 1) * width)``; a partial last byte is zero-padded."""
-    codes = codes.reshape(-1)
-    if width == 8:
-        return codes.clone()
-    per = 8 // width
-    pad = -codes.numel() % per
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad)])
-    groups = codes.view(-1, per)
-    out = groups[:, 0].clone()
-    for k in range(1, per):
-        out |= groups[:, k] << (k * width)
-    return out
-
-
-def unpack(packed: Tensor, numel: int, width: int) -> Tensor:
-    """Inverse of :func:`pack`: ``numel`` uint8 codes."""
-    if width == 8:
-        return packed.reshape(-1)[:numel]
-    mask = (1 << width) - 1
-    parts = [(packed >> (k * width)) & mask for k in range(8 // width)]
-    return torch.stack(parts, dim=1).reshape(-1)[:numel]
-
-
 # -- block encoders / decoders on [blocks, B] tensors (shared with the torch fallback) --
 
 
@@ -315,9 +287,8 @@ def encode_m_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tens
     inv = torch.where(zero, torch.zeros_like(absmax), _f32(1.0, x) / (signed * pre))
     y = (x * pre[:, None]).mul_(inv[:, None])
     if u is not None:
-        return _round_stochastic(y, fmt.m_sorted, u, ascending=True).add_(levels - fmt.m_zero).bitwise_and_(
-            levels - 1
-        ), signed
+        index = rounding.round_to_neighbour(y, fmt.m_sorted, u, ascending=True)
+        return index.add_(levels - fmt.m_zero).bitwise_and_(levels - 1), signed
     index = torch.full(y.shape, levels - fmt.m_zero, dtype=torch.uint8)  # midpoints below y, + offset
     above = torch.empty(y.shape, dtype=torch.bool)
     for t in fmt.m_midpoints.tolist():
@@ -351,7 +322,7 @@ def encode_v_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tens
     inv = _f32(1.0, x) / absmax
     y = x * inv[:, None]
     if u is not None:
-        return _round_stochastic(y, FORMATS[bits].v_table, u, ascending=False), absmax
+        return rounding.round_to_neighbour(y, FORMATS[bits].v_table, u, ascending=False), absmax
     code = torch.zeros(y.shape, dtype=torch.uint8)
     below = torch.empty(y.shape, dtype=torch.bool)
     for t in FORMATS[bits].v_thresholds.tolist():
@@ -363,60 +334,6 @@ def decode_v_blocks(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     if bits == 8:
         return (codes.to(torch.int32) + 1).to(torch.float32) * scales[:, None]
     return FORMATS[bits].v_table.to(codes.device)[codes.long()] * scales[:, None]
-
-
-# -- stochastic rounding: counter-based uniforms, the same in the C++ kernel --
-
-_M32 = 0xFFFFFFFF
-_MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2^31: no int64 product of a 32-bit value overflows
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (xor-shift, multiply) of int64 values below 2^32."""
-    x = x ^ (x >> 16)
-    x = (x * _MIX[0]) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _MIX[1]) & _M32
-    return x ^ (x >> 16)
-
-
-def rounding_keys(seed: int, step: int) -> tuple[int, int]:
-    """The 32-bit keys of m's and v's random numbers for one optimizer step of one stream (``seed``:
-    e.g. a block's index): a function of its arguments only, so that a run (and a resumed one) draws
-    the same numbers whatever the threads, chunks or timing."""
-    base = _mix32(_mix32(torch.tensor(seed & _M32)) ^ (step & _M32))
-    return int(_mix32(base ^ 1)), int(_mix32(base ^ 2))
-
-
-def index_hash(start: int, n: int) -> Tensor:
-    """The hash of element indices ``[start, start + n)`` (low 32 bits), shared by m's and v's draws."""
-    return _mix32(torch.arange(start, start + n, dtype=torch.int64) & _M32)
-
-
-def uniforms(hashed: Tensor, key: int) -> Tensor:
-    """fp32 numbers in [0, 1 - 2^-23], multiples of 2^-23, one per hashed index: ``mix32(hash ^ key)``'s
-    top 23 bits."""
-    return (_mix32(hashed ^ key) >> 9).to(torch.float32).mul_(2.0**-23)
-
-
-def _round_stochastic(y: Tensor, values: Tensor, u: Tensor, ascending: bool) -> Tensor:
-    """Sorted index (uint8) of ``y`` rounded to one of its two neighbouring ``values``, the farther one
-    with probability ``distance / gap``: unbiased between the map's ends, ends kept as nearest rounding
-    does (values beyond them go to the end; a value of the map encodes exactly). ``values`` ascending
-    (m) or descending (v); in fp32 operations the kernel repeats."""
-    levels = values.numel()
-    # index: the values after the first on y's near side (m: <= y; v: > y), i.e. the near neighbour's
-    if ascending:
-        index = torch.bucketize(y, values[1:], right=True)
-    else:
-        index = torch.bucketize(y, values[1:].flip(0), right=True).neg_().add_(levels - 1)
-    nxt = (index + 1).clamp_(max=levels - 1)
-    near, far = values[index], values[nxt]
-    # m: near <= y < far; v (descending): far <= y < near
-    lower, upper = (near, far) if ascending else (far, near)
-    up = (y - lower) > u * (upper - lower)
-    take_far = up if ascending else ~up
-    return torch.where(take_far, nxt, index).to(torch.uint8)
 
 
 # -- public codec --
@@ -431,16 +348,18 @@ def _blocks(x: Tensor, size: int) -> Tensor:
 
 def quantize(x: Tensor, kind: Kind, bits: int, key: int | None = None) -> tuple[Tensor, Tensor]:
     """Any-shaped float tensor -> ``(codes uint8 [code_bytes(numel)], scales fp32 [num_scales])``;
-    rounded stochastically with the numbers ``uniforms(index_hash(0, numel), key)`` when ``key`` is
-    given (table formats), to the nearest code otherwise."""
+    rounded stochastically with the numbers ``rounding.uniforms(rounding.index_hash(0, numel), key)``
+    when ``key`` is given (table formats), to the nearest code otherwise."""
     _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
     numel = flat.numel()
     encode = encode_m_blocks if kind == "m" else encode_v_blocks
     blocks = _blocks(flat, block_size(kind, bits))
-    u = None if key is None else uniforms(index_hash(0, blocks.numel()), key).view(blocks.shape)
+    u = None
+    if key is not None:
+        u = rounding.uniforms(rounding.index_hash(0, blocks.numel()), key).view(blocks.shape)
     codes, scales = encode(blocks, bits, u)
-    return pack(codes.reshape(-1)[:numel], width(kind, bits)), scales
+    return packing.pack(codes.reshape(-1)[:numel], width(kind, bits)), scales
 
 
 def dequantize(codes: Tensor, scales: Tensor, kind: Kind, bits: int, numel: int) -> Tensor:
@@ -451,7 +370,7 @@ def dequantize(codes: Tensor, scales: Tensor, kind: Kind, bits: int, numel: int)
             f"{numel} elements need {code_bytes(numel, kind, bits)} code bytes and "
             f"{num_scales(numel, kind, bits)} scales; got {codes.numel()} and {scales.numel()}"
         )
-    blocks = _blocks(unpack(codes.reshape(-1), numel, width(kind, bits)), block_size(kind, bits))
+    blocks = _blocks(packing.unpack(codes.reshape(-1), numel, width(kind, bits)), block_size(kind, bits))
     decode = decode_m_blocks if kind == "m" else decode_v_blocks
     return decode(blocks, scales.reshape(-1).to(torch.float32), bits).reshape(-1)[:numel]
 
@@ -507,15 +426,10 @@ __all__ = [
     "dequantize",
     "empty_state",
     "error_bound",
-    "index_hash",
     "max_relative_error",
     "num_scales",
-    "pack",
     "quantize",
-    "rounding_keys",
     "state_bytes",
     "state_slices",
-    "uniforms",
-    "unpack",
     "width",
 ]

@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - numpy comes with transformers
     np = None
 
-from megatrain_lightning.optim import codecs, kernel
+from megatrain_lightning.optim import codecs, kernel, packing, rounding
 from megatrain_lightning.optim.codecs import ALIGN, FORMATS
 
 _FALLBACK_CHUNK = 1 << 20  # elements per step of the torch fallback (a multiple of ALIGN)
@@ -111,7 +111,7 @@ def _rounding(bits: int, stochastic: tuple[str, ...], seed: int, step: int, offs
         )
     if offset < 0:
         raise ValueError(f"offset must be >= 0; got {offset}")
-    key_m, key_v = codecs.rounding_keys(seed, step) if stochastic else (0, 0)
+    key_m, key_v = rounding.rounding_keys(seed, step) if stochastic else (0, 0)
     return _Rounding("m" in stochastic, "v" in stochastic, key_m, key_v, offset)
 
 
@@ -186,8 +186,8 @@ def quantized_adamw_(
 
     ``stochastic`` names the moments re-encoded with stochastic rounding (``None``: the format's
     choice, ``FORMATS[bits].stochastic``; table formats only): element ``offset + i`` of the stream
-    ``seed`` (e.g. a block, whose flat buffer starts at offset 0) draws ``codecs.uniforms`` keyed by
-    ``codecs.rounding_keys(seed, step)``, so the result does not depend on how a block is cut into
+    ``seed`` (e.g. a block, whose flat buffer starts at offset 0) draws ``rounding.uniforms`` keyed by
+    ``rounding.rounding_keys(seed, step)``, so the result does not depend on how a block is cut into
     slices or threads. ``num_threads`` defaults to ``torch.get_num_threads()``; ``use_kernel=False``
     forces the torch fallback, ``True`` requires the compiled kernel.
     """
@@ -305,15 +305,15 @@ def _torch_chunk(
     p.copy_(pi[:n])
     m[n:] = 0.0
     v[n:] = 0.0
-    hashed = codecs.index_hash(sr.offset + start, padded) if sr.m or sr.v else None
-    um = codecs.uniforms(hashed, sr.key_m).view(-1, fmt.m_block) if sr.m else None
-    uv = codecs.uniforms(hashed, sr.key_v).view(-1, fmt.v_block) if sr.v else None
+    hashed = rounding.index_hash(sr.offset + start, padded) if sr.m or sr.v else None
+    um = rounding.uniforms(hashed, sr.key_m).view(-1, fmt.m_block) if sr.m else None
+    uv = rounding.uniforms(hashed, sr.key_v).view(-1, fmt.v_block) if sr.v else None
     new_m, m_scale = codecs.encode_m_blocks(m.view(-1, fmt.m_block), bits, um)
     new_v, v_scale = codecs.encode_v_blocks(v.view(-1, fmt.v_block), bits, uv)
     ms.copy_(m_scale[: ms.numel()])
     vs.copy_(v_scale[: vs.numel()])
     for codes, new, w in ((mc, new_m, fmt.m_bits), (vc, new_v, fmt.v_bits)):
-        packed = codecs.pack(new.view(-1)[:n], w)
+        packed = packing.pack(new.view(-1)[:n], w)
         if n * w % 8:  # keep the bits of the elements after the slice in its last byte
             keep = (0xFF << (n * w % 8)) & 0xFF
             packed[-1] = (codes[-1] & keep) | packed[-1]
@@ -330,7 +330,7 @@ def _padded(x: Tensor, size: int) -> Tensor:
 def _unpacked(packed: Tensor, size: int, width: int) -> Tensor:
     """``size`` codes (zero beyond the packed ones) from ``packed``."""
     out = torch.zeros(size, dtype=torch.uint8)
-    codes = codecs.unpack(packed, packed.numel() * 8 // width, width)
+    codes = packing.unpack(packed, packed.numel() * 8 // width, width)
     out[: codes.numel()] = codes
     return out
 

@@ -15,16 +15,14 @@ Everything is written under ``<name>.ckpt.tmp-<pid>`` and renamed into place onc
 a crash leaves the previous checkpoint intact and nothing that looks complete but is not (a crash
 between the two renames that replace a checkpoint leaves the previous one at ``<name>.ckpt.old-<pid>``:
 the next save or load of ``<name>.ckpt`` moves it back; what dead processes left is removed then).
-``open_checkpoint`` and ``convert_checkpoint`` turn a checkpoint of a model that fits in RAM into
-a standard single-file Lightning checkpoint.
+:mod:`megatrain_lightning.serialization.single_file` turns a checkpoint of a model that fits in RAM
+into a standard single-file Lightning checkpoint.
 """
 
 from __future__ import annotations
 
 import errno
-import io
 import json
-import math
 import os
 import shutil
 import sys
@@ -63,7 +61,6 @@ from megatrain_lightning.store.io import StoreIOError
 from megatrain_lightning.store.preflight import (
     DISK_MARGIN,
     DISK_MARGIN_BYTES,
-    available_ram_bytes,
     free_disk_bytes,
     missing_dirs,
 )
@@ -203,8 +200,8 @@ def _write(
         writer.text("model/config.json", found[1].config.to_json_string())
         writer.manifest["hf_prefix"] = found[0]
     writer.manifest["blocks"] = [[[p.name, list(p.shape)] for p in b.params] for b in engine.blocks]
-    # What a standard checkpoint needs besides the tensors (see ``to_lightning``): every other name of a
-    # tied weight, where each parameter sits in its block's flat state, and the optimizer's numbering.
+    # What a standard checkpoint needs besides the tensors (see ``single_file.to_lightning``): every other
+    # name of a tied weight, where each parameter sits in its block's flat state, the optimizer's numbering.
     writer.manifest["aliases"] = {
         name: engine.blocks[b].params[i].name
         for name, (b, i) in engine.locations.items()
@@ -258,7 +255,7 @@ def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     entries = ckpt.optimizer().entries
     try:
         for block in engine.blocks:
-            adam_state.load_block_state(optimizer, block.index, _optimizer_block(entries, block.index))
+            adam_state.load_block_state(optimizer, block.index, optimizer_block(entries, block.index))
     except OSError as err:
         raise io_failure(err, ckpt.path, writing=False) from err
 
@@ -295,7 +292,7 @@ def adam_state_as_blocks(
     return blocks
 
 
-def _optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, Tensor]:
+def optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, Tensor]:
     """One block's saved optimizer state by kind (``exp_avg``, ``step``, ...)."""
     file = _block_file("optimizer", block)
     return {
@@ -303,117 +300,6 @@ def _optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, T
         for name, entry in entries.items()
         if entry.path.endswith(file)
     }
-
-
-# -- reading a checkpoint directory as a standard single-file Lightning checkpoint --
-
-
-def open_checkpoint(path: str | os.PathLike) -> io.BytesIO:
-    """A megatrain checkpoint directory as an in-memory standard Lightning checkpoint (what the default
-    strategy saves), for everything that reads one::
-
-        MyModule.load_from_checkpoint(megatrain_lightning.open_checkpoint(path))
-        torch.load(megatrain_lightning.open_checkpoint(path), weights_only=True)
-
-    The model and optimizer state must fit in RAM twice (the dict and its serialized bytes); otherwise
-    use :func:`convert_checkpoint`, or ``megatrain export`` for the weights alone. A single-file
-    checkpoint (the default strategy's) is read as it is, so the same line serves both."""
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            return io.BytesIO(f.read())
-    buffer = io.BytesIO()
-    torch.save(to_lightning(path, copies=2), buffer)
-    buffer.seek(0)
-    return buffer
-
-
-def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> None:
-    """Write a megatrain checkpoint directory as a standard single-file ``.ckpt`` at ``out`` (written
-    under a temporary name, then renamed), which any strategy resumes with ``fit(ckpt_path=out)``.
-    ``megatrain convert CKPT OUT`` does the same from the shell."""
-    out = os.fspath(out)
-    if os.path.isdir(out):
-        raise CheckpointError(f"{out} is a directory; name the single checkpoint file to write.")
-    state = to_lightning(path, copies=1)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def to_lightning(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
-    """The checkpoint as the dict the default strategy saves: ``state_dict`` with every key of the module's
-    own (fp32; a tied weight under each of its names, sharing storage), ``optimizer_states`` in
-    ``torch.optim.AdamW``'s format (compressed moments decoded to fp32), and the rest of Lightning's state
-    as saved. Everything is read into RAM: ``copies`` times the state must fit there."""
-    ckpt = CheckpointDir.verify(path)
-    if "layout" not in ckpt.manifest:
-        raise CheckpointError(
-            f"{ckpt.path} was written by an older megatrain that did not record what a single-file "
-            "checkpoint needs; resume it under megatrain and save it again."
-        )
-    _check_fits_in_ram(ckpt, copies)
-    state = ckpt.lightning_state()
-    for key in MEGATRAIN_KEYS:
-        state.pop(key, None)
-    weights = {name: read_tensor(entry) for name, entry in ckpt.weights().entries.items()}
-    state_dict = dict(weights)
-    state_dict.update({alias: weights[name] for alias, name in ckpt.manifest["aliases"].items()})
-    state_dict.update({name: read_tensor(entry) for name, entry in ckpt.buffers().entries.items()})
-    state["state_dict"] = state_dict
-    if state.get("optimizer_states") and "optimizer" in ckpt.manifest:
-        state["optimizer_states"][0]["state"] = _adam_state(ckpt)
-    return state
-
-
-def _check_fits_in_ram(ckpt: CheckpointDir, copies: int) -> None:
-    weights = sum(info["bytes"] for name, info in ckpt.manifest["files"].items() if name.startswith("model/"))
-    need = copies * weights * (3 if "optimizer" in ckpt.manifest else 1)  # fp32 weights, Adam m and v
-    available = available_ram_bytes()
-    if need > available:
-        raise CheckpointError(
-            f"Reading {ckpt.path} as a single-file checkpoint needs about {need / 1e9:.2f} GB of RAM, but "
-            f"{available / 1e9:.2f} GB are available. Resume it under megatrain (`fit(ckpt_path=...)` with "
-            "`strategy='megatrain'`), or export its weights with `megatrain export` (one tensor at a time)."
-        )
-
-
-def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
-    """The per-block flat moments as ``torch.optim.AdamW``'s per-parameter state, numbered in param-group
-    order; parameters never stepped have no state, as in torch."""
-    info = ckpt.manifest["optimizer"]
-    bits = COMPRESSIONS[info["compression"]]
-    if bits:
-        adam_state.check_codec(info["compression"], info.get("codec") or {**info, "version": 1})
-    number = {name: i for i, name in enumerate(info["params"])}
-    entries = ckpt.optimizer().entries
-    state: dict[int, dict[str, Tensor]] = {}
-    for block, (params, layout) in enumerate(
-        zip(ckpt.manifest["blocks"], ckpt.manifest["layout"], strict=True)
-    ):
-        saved = _optimizer_block(entries, block)
-        m, v = saved["exp_avg"], saved["exp_avg_sq"]
-        quantized = layout["numel"] - m.numel()  # elements [0, quantized) have block-quantized moments
-        if quantized:
-            m = torch.cat([codecs.dequantize(saved["m_codes"], saved["m_scales"], "m", bits, quantized), m])
-            v = torch.cat([codecs.dequantize(saved["v_codes"], saved["v_scales"], "v", bits, quantized), v])
-        steps = saved["step"].tolist()
-        for index, ((name, shape), offset) in enumerate(zip(params, layout["offsets"], strict=True)):
-            if name not in number or steps[index] == 0:
-                continue
-            end = offset + math.prod(shape)
-            state[number[name]] = {
-                "step": torch.tensor(float(steps[index])),
-                "exp_avg": m[offset:end].view(shape).clone(),
-                "exp_avg_sq": v[offset:end].view(shape).clone(),
-            }
-    return dict(sorted(state.items()))
 
 
 def checkpoint_bytes(engine: Any, optimizer: Any) -> int:

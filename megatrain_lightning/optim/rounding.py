@@ -1,0 +1,61 @@
+"""Stochastic rounding of the low-bit codes: counter-based random numbers, the same in the C++ kernel.
+
+Each number is a hash of (a stream's seed, the optimizer step, the element's index), with no global random
+state, so a run draws the same numbers whatever its threads, chunks or timing, and a resumed run too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+_MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2^31: no int64 product of a 32-bit value overflows
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift, multiply) of int64 values below 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX[0]) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MIX[1]) & _M32
+    return x ^ (x >> 16)
+
+
+def rounding_keys(seed: int, step: int) -> tuple[int, int]:
+    """The 32-bit keys of m's and v's random numbers for one optimizer step of one stream (``seed``:
+    e.g. a block's index): a function of its arguments only, so that a run (and a resumed one) draws
+    the same numbers whatever the threads, chunks or timing."""
+    base = _mix32(_mix32(torch.tensor(seed & _M32)) ^ (step & _M32))
+    return int(_mix32(base ^ 1)), int(_mix32(base ^ 2))
+
+
+def index_hash(start: int, n: int) -> Tensor:
+    """The hash of element indices ``[start, start + n)`` (low 32 bits), shared by m's and v's draws."""
+    return _mix32(torch.arange(start, start + n, dtype=torch.int64) & _M32)
+
+
+def uniforms(hashed: Tensor, key: int) -> Tensor:
+    """fp32 numbers in [0, 1 - 2^-23], multiples of 2^-23, one per hashed index: ``mix32(hash ^ key)``'s
+    top 23 bits."""
+    return (_mix32(hashed ^ key) >> 9).to(torch.float32).mul_(2.0**-23)
+
+
+def round_to_neighbour(y: Tensor, values: Tensor, u: Tensor, ascending: bool) -> Tensor:
+    """Sorted index (uint8) of ``y`` rounded to one of its two neighbouring ``values``, the farther one
+    with probability ``distance / gap``: unbiased between the map's ends, ends kept as nearest rounding
+    does (values beyond them go to the end; a value of the map encodes exactly). ``values`` ascending
+    (m) or descending (v); in fp32 operations the kernel repeats."""
+    levels = values.numel()
+    # index: the values after the first on y's near side (m: <= y; v: > y), i.e. the near neighbour's
+    if ascending:
+        index = torch.bucketize(y, values[1:], right=True)
+    else:
+        index = torch.bucketize(y, values[1:].flip(0), right=True).neg_().add_(levels - 1)
+    nxt = (index + 1).clamp_(max=levels - 1)
+    near, far = values[index], values[nxt]
+    # m: near <= y < far; v (descending): far <= y < near
+    lower, upper = (near, far) if ascending else (far, near)
+    up = (y - lower) > u * (upper - lower)
+    take_far = up if ascending else ~up
+    return torch.where(take_far, nxt, index).to(torch.uint8)
