@@ -30,6 +30,7 @@ class Entry:
     dirty: bool = False
     ready: Future | None = None  # the load from disk
     writing: Future | None = None  # a write-back in flight
+    ahead: bool = False  # read ahead, not pinned since
 
     @property
     def size(self) -> int:
@@ -41,7 +42,11 @@ class Entry:
 
     @property
     def busy(self) -> bool:
-        return any(f is not None and not f.done() for f in (self.ready, self.writing))
+        return self.loading or (self.writing is not None and not self.writing.done())
+
+    @property
+    def loading(self) -> bool:
+        return self.ready is not None and not self.ready.done()
 
 
 def failed(future: Future | None) -> bool:
@@ -58,8 +63,9 @@ def best_window(
     clean_only: bool = False,
 ) -> tuple[int, list[tuple[Key, Entry]]] | None:
     """The ``size``-byte range of ``arena`` whose eviction hurts least (see the module docstring), as its
-    start and the entries in it; ``None`` if every range holds an entry that may not leave: pinned, in
-    I/O, in ``keep``, dirty when ``clean_only``, or needed no later than ``rank``."""
+    start and the entries in it; ``None`` if every range holds an entry that may not leave: pinned,
+    loading, in ``keep``, dirty when ``clean_only``, or needed no later than ``rank``. An entry being
+    written back may: the caller waits for the write rather than evict something needed sooner."""
     segments = sorted(
         [(start, end, None) for start, end in arena.gaps()]
         + [(e.offset, e.offset + e.size, (k, e)) for k, e in entries.items() if e.size],
@@ -96,7 +102,7 @@ def _evictable_from(
         if item is None:
             continue
         key, entry = item
-        held = entry.pins or entry.busy or key in keep or (clean_only and entry.dirty)
+        held = entry.pins or entry.loading or key in keep or (clean_only and entry.dirty)
         if held or rank_of(key) <= rank:
             return None
         victims.append(item)

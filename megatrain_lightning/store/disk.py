@@ -43,6 +43,9 @@ from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 _STALL_TIMEOUT_S = 120.0
+# Chunks each I/O thread may have read ahead and not yet used: enough to keep the disk busy; more would
+# evict what the cache keeps for later uses earlier than a demand would (a read per chunk per step).
+READ_AHEAD_CHUNKS = 2
 
 
 class DiskStore(HostStore):
@@ -71,7 +74,9 @@ class DiskStore(HostStore):
         self._on_disk: set[Key] = set()  # regions holding data (others read as zeros)
         self._chunks = [self.spans(b) for b in range(len(blocks))]
         self._future: dict[tuple[int, str], int] = {}  # (block, kind) -> rank of its next predicted use
-        self._ahead = 0  # how far into ``_future`` everything on disk is cached (or was, when predicted)
+        self._predicted: list[tuple[int, str]] = []  # ``_future``'s keys, soonest first
+        self._ahead = 0  # how far into ``_predicted`` everything on disk is cached (or was, when predicted)
+        self._ahead_bytes = 0  # the cache room ``_predicted[:_ahead]`` was counted to need
         # Needed before anything the trace predicts (submitted updates), in order of submission.
         self._claimed: dict[Key, int] = {}
         self._claims = itertools.count()
@@ -204,6 +209,7 @@ class DiskStore(HostStore):
             entries = [self._entries[key] for key in keys]
             for key, entry in zip(keys, entries, strict=True):
                 entry.holders.append(me)
+                entry.ahead = False
                 if key not in kept:
                     self._claimed.pop(key, None)
         try:
@@ -262,7 +268,8 @@ class DiskStore(HostStore):
             for rank, (block, kinds) in enumerate(future):
                 for kind in kinds:
                     self._future.setdefault((block, kind), rank)
-            self._ahead = 0
+            self._predicted = list(self._future)
+            self._ahead = self._ahead_bytes = 0
             self._load_ahead()
 
     def claim(self, block: int, kinds: Iterable[str]) -> None:
@@ -307,23 +314,51 @@ class DiskStore(HostStore):
     # -- cache internals (lock held) --
 
     def _load_ahead(self) -> None:
-        """Load what is needed next, in rank order (claims, then the trace's predictions), while the cache
-        has room that nothing needed sooner occupies."""
+        """Load what is needed next, in rank order (claims, then the trace's predictions), while fewer than
+        ``READ_AHEAD_CHUNKS`` per I/O thread wait unused and everything needed up to the chunk fits in the
+        cache beside what is pinned: a chunk read ahead then stays until its use (whatever the cache evicts
+        meanwhile is needed later), room stays for the sooner chunks that have no data on disk yet
+        (gradient sums) or are not read yet, and what the cache keeps for later uses (the weights for the
+        next pass, optimizer state for the next step) is evicted no earlier than a demand would."""
+        room, ahead = self._arena.capacity, 0
+        for key, entry in self._entries.items():
+            room -= entry.size if entry.pins and key not in self._claimed else 0
+            ahead += entry.size if entry.ahead else 0
+        window = READ_AHEAD_CHUNKS * self.io.threads * pages(self.io.chunk_bytes)
+
+        def fetch(key: Key) -> bool:
+            """Read ``key`` ahead if it is on disk and not cached, evicting only what is needed later;
+            whether the walk goes on."""
+            nonlocal ahead
+            if key in self._entries or key not in self._on_disk:
+                return True
+            if ahead >= window or self._admit(key, demand=False) is None:
+                return False
+            ahead += self._size(key)
+            return True
+
         for key in sorted(self._claimed, key=self._claimed.__getitem__):
-            if key not in self._entries and key in self._on_disk and self._admit(key, demand=False) is None:
+            room -= self._size(key)
+            if room < 0 or not fetch(key):
                 return
-        predicted = list(self._future)
-        while self._ahead < len(predicted):
-            block, kind = predicted[self._ahead]
+        room -= self._ahead_bytes
+        while self._ahead < len(self._predicted):
+            block, kind = self._predicted[self._ahead]
+            counted = 0
             for chunk in range(len(self._chunks[block])):
                 key = (block, kind, chunk)
-                if (
-                    key not in self._entries
-                    and key in self._on_disk
-                    and self._admit(key, demand=False) is None
-                ):
+                if key in self._claimed:
+                    continue
+                counted += self._size(key)
+                if counted > room or not fetch(key):
                     return
+            room -= counted
+            self._ahead_bytes += counted
             self._ahead += 1
+
+    def _size(self, key: Key) -> int:
+        """The cache bytes of ``key``'s chunk (whole pages)."""
+        return pages(self._chunk_bytes(key)[1])
 
     def _chunk_bytes(self, key: Key) -> tuple[torch.dtype, int]:
         block, kind, chunk = key
@@ -344,7 +379,7 @@ class DiskStore(HostStore):
             self._arena.release(offset, size)
             return self._entries[key]
         raw = self._arena.region(offset, size)
-        entry = Entry(offset, raw, raw[:nbytes].view(dtype))
+        entry = Entry(offset, raw, raw[:nbytes].view(dtype), ahead=not demand)
         if key in self._on_disk:
             entry.ready = self._workers.submit(self._read, key, entry)
         else:
@@ -381,7 +416,7 @@ class DiskStore(HostStore):
             if window is not None:
                 start, victims = window
                 dirty = [(k, e) for k, e in victims if e.dirty]
-                if not dirty:
+                if not dirty and not any(e.busy for _, e in victims):
                     for victim in victims:
                         self._evict(*victim)
                     self._arena.allocate_at(start, size)
@@ -445,12 +480,15 @@ class DiskStore(HostStore):
                 self._failure = failure
             raise failure from err
         finally:
-            self._done()
+            self._done(wrote=True)
         TIMELINE.record("disk", start, time.perf_counter())
         self.stats.add(disk_write_s=time.perf_counter() - start, disk_write_bytes=entry.raw.numel())
 
-    def _done(self) -> None:
+    def _done(self, wrote: bool = False) -> None:
+        """An I/O finished: waiters may go on; a written entry may now leave for a chunk read ahead."""
         with self._cond:
+            if wrote:
+                self._load_ahead()
             self._cond.notify_all()
 
     def _open(self, kind: str) -> BlockFile:
