@@ -69,6 +69,7 @@ from bench_engine import (  # noqa: E402
 )
 
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
+from megatrain_lightning.planner.plan import DiskTraffic, least_disk_traffic  # noqa: E402
 from megatrain_lightning.presets import llama_config  # noqa: E402
 from megatrain_lightning.store.io import BlockFile, IOConfig  # noqa: E402
 from megatrain_lightning.store.memory import ALIGNMENT, host_empty  # noqa: E402
@@ -454,9 +455,9 @@ def efficiency_config(quick: bool) -> PretrainedConfig:
     return llama_config("170m", num_hidden_layers=16, vocab_size=8192)
 
 
-def store_rates(run: Run, reference: DiskReference, floor: float) -> None:
+def store_rates(run: Run, reference: DiskReference, least: DiskTraffic) -> None:
     """Print the store's GB/s three ways against the disk's, the share of disk time the run used (for
-    the mean and for each measurement of the disk), and the share the ``floor`` bytes each way would use."""
+    the mean and for each measurement of the disk), and the share the ``least`` traffic would use."""
     wall, disk = run.wall_s, reference.speed
     print(
         f"\n{'':6} {'GB/step':>8} {'GB/s wall':>10} {'/disk':>6} {'GB/s active':>12} {'/disk':>6} "
@@ -484,12 +485,14 @@ def store_rates(run: Run, reference: DiskReference, floor: float) -> None:
         f"{min(spread):.2f}-{max(spread):.2f} with each disk measurement alone); "
         f"/ time with I/O in flight = {active:.2f}"
     )
-    useful = (floor / disk.read + floor / disk.write) / run.median_s
-    read, write = (run.per_step(f"disk_{k}_bytes") / GB / floor for k in ("read", "write"))
+    useful = (least.reads / GB / disk.read + least.writes / GB / disk.write) / run.median_s
+    read, write = (
+        run.per_step(f"disk_{k}_bytes") / b for k, b in (("read", least.reads), ("write", least.writes))
+    )
     print(
-        f"useful: the lower bound of {floor:.3f} GB/step each way (weights, m and v once, less what the "
-        f"cache holds) at disk speed / step time = {useful:.2f}; moved / lower bound: read {read:.2f}x, "
-        f"write {write:.2f}x"
+        f"useful: the least traffic of a step ({least.reads / GB:.3f} GB read, {least.writes / GB:.3f} GB "
+        f"written: planner.plan.least_disk_traffic) at disk speed / step time = {useful:.2f}; moved / "
+        f"least: read {read:.2f}x, write {write:.2f}x"
     )
 
 
@@ -610,7 +613,8 @@ def efficiency(args: argparse.Namespace, directory: str) -> None:
         f"{run.faulted_gb:.2f} GB/step; load average {run.load:.2f}; peak host cache "
         f"{run.peak_cache_bytes / GB:.3f} GB"
     )
-    store_rates(run, reference, max(0.0, store_bytes(model) - cache) / GB)
+    weights, largest, _ = block_bytes(model)
+    store_rates(run, reference, least_disk_traffic(weights, 2 * weights, cache, 1, largest))
     traffic_table(run, num_blocks)
     engine_time(run)
 

@@ -24,7 +24,8 @@ assumed memory-efficient (no seq x seq scores).
 
 The step-time lower bound is the largest of compute (6 x params x tokens / FLOP/s), link
 transfer (weights in for forward and backward in the compute dtype, fp32 gradients out, per
-micro-batch) and, on the disk tier, reading and writing the uncached part of the store once.
+micro-batch) and, on the disk tier, the least traffic the step's schedule allows through the host cache
+(:func:`least_disk_traffic`).
 :func:`plan_for` is what the strategy calls to resolve ``"auto"`` options;
 :func:`megatrain_lightning.planner.table.format_plan` prints the table of ``megatrain plan``.
 """

@@ -7,10 +7,12 @@ two runs cannot share the folder. Cache (:mod:`.cache`): regions of one host buf
 (:mod:`megatrain_lightning.store.arena`), one per (block, kind, chunk), pinned while in use; eviction
 frees the region whose contents are needed farthest in the future (Belady: ``hint`` ranks each block's
 weights, gradients and optimizer state by the trace's next use of that kind, and ``claim`` puts a
-submitted update's chunks first, in order), never a pinned one, and writes dirty ones back first. The
-cache loads ahead in that order as far as it can without evicting anything needed sooner, again whenever
-a chunk is released. Updated chunks are written back as soon as their update is done; consumed gradients
-are dropped without being written.
+submitted update's chunks first, in order), never a pinned one, and writes dirty ones back first (and
+waits for a write-back rather than evict a chunk needed sooner). The cache loads ahead in that order, a few
+chunks per I/O thread, and only what is sure to stay until its use, again whenever a chunk is released or
+written. Updated chunks are written back as soon as their update is done; consumed gradients are dropped
+without being written. So a step moves close to the least its schedule allows through the cache
+(:func:`megatrain_lightning.planner.plan.least_disk_traffic`).
 
 Because the unit is a chunk, the RAM the hot paths need is a few chunks per thread whatever the block
 size. Pinning a range that spans several chunks (a whole block, for checkpoints and loading) gathers it
@@ -287,6 +289,10 @@ class DiskStore(HostStore):
             for key, entry in list(self._entries.items()):
                 if failed(entry.ready) and not entry.pins:
                     self._evict(key, entry)
+
+    def stored_bytes(self, kind: str) -> int:
+        """What reading (or writing) all of ``kind`` moves: its chunks in whole pages."""
+        return sum(self._size((b, kind, c)) for b, spans in enumerate(self._chunks) for c in range(len(spans)))
 
     def release_all_but(self, *kinds: str) -> None:
         """Nothing to free at once: other kinds live in the block files until the store closes, and in a
