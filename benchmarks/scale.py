@@ -407,7 +407,13 @@ def main() -> None:
     )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--max-cpu-gb", type=float, default=5.0)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=3e-5,
+        help="peak lr (one warmup step, cosine to 0): Adam's first step moves every weight by about lr, and "
+        "at 3e-4 the wide models' loss rises in these few steps (RESULTS.md, Scale)",
+    )
     parser.add_argument("--max-vram-gb", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("train", "resume"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -18,11 +18,12 @@ import pytest
 import torch
 from conftest import UserLM, quiet_trainer, tiny_model, token_batches
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from torch import nn
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.serialization.publish import CheckpointIOError
 from megatrain_lightning.serialization.safetensors_io import SafetensorsError
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.io import StoreIOError
@@ -73,15 +74,6 @@ def _checkpoint(tmp: Path, fixtures: dict[str, Any], change: Callable[[Path], No
     shutil.copytree(fixtures["checkpoint"], path)
     change(path)
     return path
-
-
-def _resume(tmp: Path, path: Path, module: Any = None) -> Callable[[], None]:
-    return lambda: _fit(tmp, module=module, ckpt_path=path)
-
-
-def _load(tmp: Path, hf_dir: Path) -> Callable[[], None]:
-    """Train a model read from ``hf_dir`` (on meta, filled from the shards block by block)."""
-    return lambda: _fit(tmp, module=CausalLMModule(str(hf_dir)))
 
 
 def _resume(tmp: Path, path: Path, module: Any = None) -> Callable[[], None]:
@@ -179,6 +171,18 @@ CASES = [
             _mock(f, "megatrain_lightning.store.preflight.free_disk_bytes", lambda path: 10 << 20),
             lambda: _fit(t, MegaTrainStrategy(offload_dir=t / "offload")),
         )[1],
+    ),
+    Case(
+        "a checkpoint folder on a disk without room for the checkpoint",
+        "GB are free on its disk",
+        lambda t, f: (
+            _mock(f, "megatrain_lightning.serialization.checkpoint.free_disk_bytes", lambda path: 10 << 20),
+            _checkpoint(t, f),  # the previous checkpoint, which must stay as it is
+            lambda: _fit(
+                t, callbacks=[ModelCheckpoint(dirpath=t, filename="saved")], enable_checkpointing=True
+            ),
+        )[2],
+        CheckpointIOError,
     ),
     Case("offload_dir in use by another run", "in use by pid", _hold_store, StoreIOError),
     # options

@@ -46,6 +46,7 @@ from megatrain_lightning.serialization.publish import (
     FORMAT,
     LIGHTNING_STATE,
     MANIFEST,
+    CheckpointIOError,
     CheckpointWriter,
     io_failure,
     recover,
@@ -59,7 +60,13 @@ from megatrain_lightning.serialization.safetensors_io import (
     sha256_file,
 )
 from megatrain_lightning.store.io import StoreIOError
-from megatrain_lightning.store.preflight import available_ram_bytes
+from megatrain_lightning.store.preflight import (
+    DISK_MARGIN,
+    DISK_MARGIN_BYTES,
+    available_ram_bytes,
+    free_disk_bytes,
+    missing_dirs,
+)
 
 README = """This directory is a megatrain checkpoint: resume it with `Trainer(strategy="megatrain")` and
 `fit(ckpt_path=<this directory>)`. `torch.load` and `LightningModule.load_from_checkpoint` need a file:
@@ -163,6 +170,7 @@ def _block_file(kind: str, block: int) -> str:
 def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
     """Write a checkpoint directory, one block in memory at a time; on a failed write the partial copy is
     removed and the previous checkpoint stays."""
+    check_free_space(path, checkpoint_bytes(engine, optimizer))
     writer = CheckpointWriter(path)
     try:
         _write(writer, engine, module, lightning_state, optimizer)
@@ -404,14 +412,37 @@ def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
     return dict(sorted(state.items()))
 
 
+def checkpoint_bytes(engine: Any, optimizer: Any) -> int:
+    """The bytes a checkpoint's tensors take: fp32 weights, plus the optimizer state when it is saved."""
+    weights = sum(4 * p.numel for block in engine.blocks for p in block.params)
+    return weights + (optimizer.state_bytes() if optimizer is not None else 0)
+
+
+def check_free_space(path: str, need_bytes: int) -> None:
+    """Refuse a save that cannot fit before writing anything: a full disk mid-save would stop the run
+    anyway, after minutes of writing, and fill the disk other files (the store, logs) need.
+
+    The previous checkpoint at ``path`` stays until the new one is complete, so the whole size must be free.
+    """
+    missing = missing_dirs(path)  # the save creates these; the disk is that of the folder holding them
+    free = free_disk_bytes(os.path.dirname(missing[-1]) if missing else path)
+    want = int(need_bytes * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
+    if free < want:
+        raise CheckpointIOError(
+            errno.ENOSPC,
+            f"megatrain: the checkpoint {path} needs about {want / 1e9:.2f} GB (weights and optimizer state, "
+            f"plus a margin) but only {free / 1e9:.2f} GB are free on its disk; free space there or save "
+            "checkpoints elsewhere (`ModelCheckpoint(dirpath=...)`). Nothing was written: the previous "
+            "checkpoint there is unchanged.",
+        )
+
+
 def announce_size(path: str, engine: Any, optimizer: Any) -> None:
     """Say, before the first checkpoint is written, how large each is and where it goes: a full checkpoint
     of a large model is many GB (fp32 weights and Adam state), and callbacks may keep several."""
-    weights = sum(4 * p.numel for block in engine.blocks for p in block.params)
-    state = optimizer.state_bytes() if optimizer is not None else 0
     what = "fp32 weights and optimizer state" if optimizer is not None else "fp32 weights"
     rank_zero_info(
-        f"megatrain: each checkpoint holds {what}, about {(weights + state) / 1e9:.3g} GB; "
+        f"megatrain: each checkpoint holds {what}, about {checkpoint_bytes(engine, optimizer) / 1e9:.3g} GB; "
         f"writing {os.path.abspath(path)}"
     )
 
