@@ -82,6 +82,7 @@ class DiskStore(HostStore):
         # Needed before anything the trace predicts (submitted updates), in order of submission.
         self._claimed: dict[Key, int] = {}
         self._claims = itertools.count()
+        self._demands_waiting = 0  # threads waiting for cache room
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
         # A failed read, read ahead or not: this run stops at its next pin (the files are whole: the next
         # run reads again).
@@ -292,7 +293,9 @@ class DiskStore(HostStore):
 
     def stored_bytes(self, kind: str) -> int:
         """What reading (or writing) all of ``kind`` moves: its chunks in whole pages."""
-        return sum(self._size((b, kind, c)) for b, spans in enumerate(self._chunks) for c in range(len(spans)))
+        return sum(
+            self._size((b, kind, c)) for b, spans in enumerate(self._chunks) for c in range(len(spans))
+        )
 
     def release_all_but(self, *kinds: str) -> None:
         """Nothing to free at once: other kinds live in the block files until the store closes, and in a
@@ -326,6 +329,8 @@ class DiskStore(HostStore):
         meanwhile is needed later), room stays for the sooner chunks that have no data on disk yet
         (gradient sums) or are not read yet, and what the cache keeps for later uses (the weights for the
         next pass, optimizer state for the next step) is evicted no earlier than a demand would."""
+        if self._demands_waiting:
+            return
         room, ahead = self._arena.capacity, 0
         for key, entry in self._entries.items():
             room -= entry.size if entry.pins and key not in self._claimed else 0
@@ -408,12 +413,13 @@ class DiskStore(HostStore):
         evicted: a wasted write); a demand writes dirty ones back, waits while other threads hold or move
         entries, and otherwise takes the least bad region."""
         deadline = time.monotonic() + _STALL_TIMEOUT_S
+        waited = False  # for a write-back: once, so that new write-backs cannot starve a demand
         while True:
             offset = self._arena.allocate(size)
             if offset is not None:
                 return offset
             window = best_window(
-                self._arena, self._entries, self._rank, size, rank, keep, clean_only=not demand
+                self._arena, self._entries, self._rank, size, rank, keep, not demand, writing_ok=not waited
             )
             if window is None and demand and not self._others_active():
                 window = best_window(self._arena, self._entries, self._rank, size, -NEVER, keep)
@@ -431,8 +437,13 @@ class DiskStore(HostStore):
                     self._write_back(*victim)  # evictable once written
             if not demand:
                 return None
-            if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                raise self._too_small()
+            waited = window is not None
+            self._demands_waiting += 1  # no read-ahead meanwhile: it could take the room this waits for
+            try:
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise self._too_small()
+            finally:
+                self._demands_waiting -= 1
 
     def _too_small(self) -> MemoryError:
         return MemoryError(
