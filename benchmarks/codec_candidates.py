@@ -1,6 +1,7 @@
 """Which low-bit Adam state format tracks fp32 Adam best: measured on real gradients, not guessed.
 
-Run: ``python benchmarks/codec_candidates.py [--steps 300 --lr 3e-3] [--train-steps 300]``.
+Run: ``python benchmarks/codec_candidates.py [--steps 300 --lr 3e-3]``; with ``--shipped [--beta2 B]``
+the shipped formats of ``codecs.py`` (both moments quantized), rounding to nearest or stochastically.
 
 1. *State error on real gradient statistics.* A small byte-level Llama trains on the Python standard
    library's sources (``realtext.py``) with fp32 AdamW. For a few weight matrices of its decoder layers,
@@ -332,6 +333,79 @@ def state_errors(args) -> None:
             print(f"| {c} | {mean[('v', c)]:.4f} | {mean[('u', c)]:.4f} |")
 
 
+# -- the shipped formats (codecs.py), nearest against stochastic rounding, both moments quantized --
+
+
+def shipped(bits: int, stochastic: tuple[str, ...]) -> Callable:
+    """Both moments through ``codecs.quantize`` (stochastic rounding for the moments in ``stochastic``,
+    keyed as the optimizer keys them: by tensor and step)."""
+    from megatrain_lightning.optim import codecs
+
+    def codec(kind: str, x: Tensor, tensor_id: int, step: int) -> Tensor:
+        keys = dict(zip("mv", codecs.rounding_keys(tensor_id, step), strict=True))
+        key = keys[kind] if kind in stochastic else None
+        return codecs.dequantize(*codecs.quantize(x, kind, bits, key), kind, bits, x.numel()).view_as(x)
+
+    return codec
+
+
+SHIPPED = {
+    f"{name} {label}": shipped(bits, sr)
+    for name, bits in (("int8", 8), ("int4", 4), ("int3", 3), ("int2", 2))
+    for label, sr in (("nearest", ()), ("SR v", ("v",)), ("SR m", ("m",)), ("SR m+v", ("m", "v")))
+    if bits != 8 or not sr
+}
+
+
+def shipped_errors(args) -> None:
+    """RMS relative error of m, v and the update with both moments stored in each shipped format."""
+    train, _ = stdlib_tokens()
+    model = make_model(args.hidden, args.layers, seed=0)
+    betas = (0.9, args.beta2)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.0)
+    watch = tracked(model)
+    state = {(n, c): [torch.zeros_like(p), torch.zeros_like(p)] for n, p in watch.items() for c in SHIPPED}
+    exact = {n: [torch.zeros_like(p), torch.zeros_like(p)] for n, p in watch.items()}
+    err = {(x, c): [] for c in SHIPPED for x in "mvu"}
+    data = batches(train, args.batch, args.seq, seed=0)
+    start = time.perf_counter()
+
+    def update(m: Tensor, v: Tensor, step: int) -> Tensor:
+        return (m / (1 - betas[0] ** step)) / ((v / (1 - betas[1] ** step)).sqrt() + 1e-8)
+
+    for step in range(1, args.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step - 1, args.lr, args.warmup, args.steps)
+        loss = lm_loss(model, next(data))
+        opt.zero_grad()
+        loss.backward()
+        for tensor_id, (name, p) in enumerate(watch.items()):
+            g = p.grad
+            em, ev = exact[name]
+            em.mul_(betas[0]).add_(g, alpha=1 - betas[0])
+            ev.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+            exact_u = update(em, ev, step)
+            for c, codec in SHIPPED.items():
+                sm, sv = state[(name, c)]
+                m = sm * betas[0] + g * (1 - betas[0])
+                v = sv * betas[1] + g * g * (1 - betas[1])
+                if step > 10:
+                    err[("m", c)].append(_rel(m, em))
+                    err[("v", c)].append(_rel(v, ev))
+                    err[("u", c)].append(_rel(update(m, v, step), exact_u))
+                state[(name, c)] = [codec("m", m, tensor_id, step), codec("v", v, tensor_id, step)]
+        opt.step()
+        if step % 50 == 0:
+            print(f"step {step} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"\nShipped formats, both moments quantized: RMS relative error, mean over steps 11..{args.steps} "
+          f"and {len(watch)} tensors (lr {args.lr}, betas {betas}, hidden {args.hidden}, "
+          f"{args.layers} layers):")  # fmt: skip
+    print("| format, rounding | m error | v error | update error |\n| --- | ---: | ---: | ---: |")
+    for c in SHIPPED:
+        mean = [sum(err[(x, c)]) / len(err[(x, c)]) for x in "mvu"]
+        print(f"| {c} | {mean[0]:.4f} | {mean[1]:.4f} | {mean[2]:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -341,9 +415,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=129)
+    parser.add_argument("--beta2", type=float, default=0.999, help="--shipped only (candidates: 0.999)")
+    parser.add_argument(
+        "--shipped", action="store_true", help="the shipped formats, nearest vs stochastic rounding"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    state_errors(args)
+    (shipped_errors if args.shipped else state_errors)(args)
 
 
 if __name__ == "__main__":

@@ -76,9 +76,9 @@ class StateAdamW:
     """CPUAdamW's arithmetic outside the engine: fused quantized steps for the large decoder-layer
     tensors (``bits``), torch's fused AdamW on fp32 moments for the rest."""
 
-    def __init__(self, model: torch.nn.Module, bits: int | None) -> None:
+    def __init__(self, model: torch.nn.Module, bits: int | None, stochastic: tuple[str, ...] | None) -> None:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.bits = bits
+        self.bits, self.stochastic = bits, stochastic
         self.state: dict[str, tuple] = {}
         for name, p in self.params:
             if bits and ".layers." in name and p.numel() >= SMALL_PARAM:
@@ -111,7 +111,7 @@ class StateAdamW:
                 eps=EPS,
                 maximize=False,
             )
-        for name, p in self.params:
+        for index, (name, p) in enumerate(self.params):
             state = self.state[name]
             if len(state) == 2:
                 continue
@@ -120,6 +120,8 @@ class StateAdamW:
                 p.grad.view(-1),
                 *state,
                 bits=self.bits,
+                stochastic=self.stochastic,
+                seed=index,
                 step=self.step_count,
                 lr=lr,
                 beta1=BETAS[0],
@@ -145,9 +147,23 @@ def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
     return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
+ROUNDINGS = {"nearest": (), "sr-v": ("v",), "sr-m": ("m",), "sr-mv": ("m", "v")}
+
+
+def parse_mode(mode: str) -> tuple[str, tuple[str, ...] | None]:
+    """``"int4"`` (the format's rounding) or ``"int4:nearest"`` / ``":sr-v"`` / ``":sr-m"`` / ``":sr-mv"``."""
+    name, _, rounding = mode.partition(":")
+    if name not in COMPRESSIONS or (rounding and rounding not in ROUNDINGS):
+        raise SystemExit(
+            f"mode {mode!r}: a compression of {tuple(COMPRESSIONS)}, optionally :{'|'.join(ROUNDINGS)}"
+        )
+    return name, ROUNDINGS[rounding] if rounding else None
+
+
 def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, seed: int) -> dict:
     model = make_model(args.hidden, args.layers, seed)
-    opt = StateAdamW(model, COMPRESSIONS[mode])
+    name, stochastic = parse_mode(mode)
+    opt = StateAdamW(model, COMPRESSIONS[name], stochastic)
     data = batches(train_tokens, args.batch, args.seq + 1, seed=seed)
     curve, train_losses = [], []
     start = time.perf_counter()
@@ -180,7 +196,7 @@ def report(results: list[dict], modes: list[str]) -> list[str]:
                 (by[(m, s)] / by[("none", s)] - 1) * 100 for s in seeds if (m, s) in by and ("none", s) in by
             ]
             worst = max(changes, key=abs) if changes else float("nan")
-            ok = "ok" if abs(worst) <= GOALS.get(m, 0) else "NOT met"
+            ok = "ok" if abs(worst) <= GOALS.get(parse_mode(m)[0], 0) else "NOT met"
             cells.append(" / ".join(f"{c:+.2f}%" for c in changes) + f" ({ok})")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -214,7 +230,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="default: 5%% of --steps")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4", "int3", "int2"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["none", "int8", "int4", "int3", "int2"],
+        help="compressions, optionally with a rounding: int4:nearest, int4:sr-v, int4:sr-m, int4:sr-mv",
+    )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
@@ -231,7 +252,7 @@ def main() -> None:
     if args.report:
         runs = [json.loads(Path(f).read_text()) for f in args.report]
         results = [r for run in runs for r in run["results"]]
-        modes = [m for m in ["none", "int8", "int4", "int3", "int2"] if any(r["mode"] == m for r in results)]
+        modes = list(dict.fromkeys(r["mode"] for r in results))
         print(runs[0]["header"])
         print("\n".join(report(results, modes)))
         plot(results, args.out, runs[0]["header"][:120])

@@ -374,6 +374,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         engine.wait_all()
         state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         state |= checkpointing.rng_states(self.root_device)
+        state[checkpointing.SCHEDULE_KEY] = engine.schedule_state()
         optimizer = engine.optimizer if checkpoint.get("optimizer_states") else None
         if not self._checkpoint_size_logged:
             self._checkpoint_size_logged = True
@@ -399,6 +400,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         checkpointing.load_weights(ckpt, self.engine, self.lightning_module)
         checkpointing.restore_rng(checkpoint, self.root_device)
+        if checkpointing.SCHEDULE_KEY in checkpoint:  # absent in checkpoints of earlier versions
+            self.engine.load_schedule_state(checkpoint[checkpointing.SCHEDULE_KEY])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -68,8 +68,8 @@ def _adversarial() -> dict[str, torch.Tensor]:
     }
 
 
-def _roundtrip(x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
-    codes, scales = C.quantize(x, kind, bits)
+def _roundtrip(x: torch.Tensor, kind: str, bits: int, key: int | None = None) -> torch.Tensor:
+    codes, scales = C.quantize(x, kind, bits, key)
     assert codes.dtype == torch.uint8 and scales.dtype == torch.float32
     assert codes.numel() == C.code_bytes(x.numel(), kind, bits)
     assert scales.numel() == C.num_scales(x.numel(), kind, bits)
@@ -77,13 +77,13 @@ def _roundtrip(x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
     return C.dequantize(codes, scales, kind, bits, x.numel())
 
 
-def _check_bound(x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
-    out = _roundtrip(x, kind, bits)
+def _check_bound(x: torch.Tensor, kind: str, bits: int, key: int | None = None) -> torch.Tensor:
+    out = _roundtrip(x, kind, bits, key)
     assert out.dtype == torch.float32 and out.shape == (x.numel(),)
     assert torch.isfinite(out).all(), "NaN/Inf decoded"
     clean = C.clean_m(x) if kind == "m" else C.clean_v(x)
     err = (out.double() - clean.double()).abs()
-    bound = C.error_bound(x, kind, bits)
+    bound = C.error_bound(x, kind, bits, stochastic=key is not None)
     worst = int(torch.argmax(err - bound))
     assert (err <= bound).all(), (
         f"element {worst}: {x[worst]} -> {out[worst]}, error {err[worst]} > {bound[worst]}"
@@ -128,6 +128,76 @@ def test_typical_error_is_small(kind: str, bits: int) -> None:
     rel = float((out - x).pow(2).mean().sqrt() / x.pow(2).mean().sqrt())
     limit = {"m": {8: 0.03, 4: 0.15, 3: 0.15, 2: 0.4}, "v": {8: 0.01, 4: 0.1, 3: 0.45, 2: 0.45}}[kind][bits]
     assert rel < limit, rel
+
+
+# -- stochastic rounding (table formats) --
+
+TABLE_KINDS = [(kind, bits) for kind, bits in KINDS if bits != 8]
+
+
+@pytest.mark.parametrize("kind,bits", TABLE_KINDS)
+def test_stochastic_error_bound(kind: str, bits: int) -> None:
+    """Rounded stochastically, every element lands on one of its two neighbouring codes (the bound of a
+    whole gap), on random and adversarial data, NaN and Inf cleaned as with nearest rounding."""
+    for key in (0, 0xDEADBEEF):
+        for x in _random().values():
+            _check_bound(_for_kind(x, kind), kind, bits, key)
+        for x in _adversarial().values():
+            _check_bound(x.abs() if kind == "v" else x, kind, bits, key)
+            _check_bound(x, kind, bits, key)
+
+
+def _in_range(kind: str, bits: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values inside the map's range, in blocks whose first element (the scale) is 1, so that the
+    normalized values are the values; and each one's gap between its neighbouring codes."""
+    fmt = C.FORMATS[bits]
+    g = _gen(5)
+    if kind == "m":
+        table = fmt.m_sorted
+        x = table[0] + (1 - table[0]) * torch.rand(n, generator=g)
+    else:
+        table = fmt.v_table.flip(0)  # ascending
+        x = torch.exp2(-torch.rand(n, generator=g) * fmt.v_octaves * (table.numel() - 1))
+    x[:: C.block_size(kind, bits)] = 1.0
+    upper = torch.bucketize(x, table).clamp(1, table.numel() - 1)
+    return x, table[upper] - table[upper - 1]
+
+
+@pytest.mark.parametrize("kind,bits", TABLE_KINDS)
+def test_stochastic_rounding_is_unbiased(kind: str, bits: int) -> None:
+    """Over many keys the decoded values average to the input: each element's mean error is within 5
+    standard errors (gap / 2 / sqrt(draws)) of zero. Nearest rounding fails the same check, so it can."""
+    x, gap = _in_range(kind, bits, 2048)
+    draws = 1500
+    total = torch.zeros(x.numel(), dtype=torch.float64)
+    for key in range(draws):
+        total += _roundtrip(x, kind, bits, C.rounding_keys(key, 1)[kind == "v"]).double()
+    err = (total / draws - x.double()).abs()
+    limit = 5 * gap.double() / 2 / draws**0.5 + 1e-6 * x.double()
+    assert (err <= limit).all(), float((err / limit).max())
+    assert float((total / draws - x.double()).mean()) == pytest.approx(
+        0.0, abs=float(gap.mean()) / draws**0.5
+    )
+    nearest = (_roundtrip(x, kind, bits).double() - x.double()).abs()
+    assert (nearest > limit).float().mean() > 0.5
+
+
+def test_stochastic_rounding_is_keyed() -> None:
+    """The same key gives the same codes; another key other codes; values of the map stay exact."""
+    x = torch.randn(4096, generator=_gen(6))
+    for kind, bits in TABLE_KINDS:
+        y = _for_kind(x, kind)
+        a, b, c = (C.quantize(y, kind, bits, key)[0] for key in (1, 1, 2))
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)
+        assert not torch.equal(a, C.quantize(y, kind, bits)[0])
+    for bits in (4, 3, 2):
+        fmt = C.FORMATS[bits]
+        for kind, table in (("m", fmt.m_sorted), ("v", fmt.v_table)):
+            values = table.repeat(64)[: 64 * C.block_size(kind, bits)]
+            assert torch.equal(_roundtrip(values, kind, bits, key=3), values)
+    with pytest.raises(ValueError, match="not int8"):
+        C.quantize(x, "v", 8, key=1)
 
 
 def test_v_never_decodes_to_zero() -> None:

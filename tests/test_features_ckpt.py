@@ -230,6 +230,29 @@ def test_compressed_megatrain_resumes_a_default_strategy_checkpoint(trained, tmp
     assert abs(paged.losses[1] - plain.losses[1]) <= 1e-3 * plain.losses[1]
 
 
+class TraceProbe(L.Callback):
+    """Whether each training pass followed a predicted order of blocks to its end (prefetch and updates at
+    each block's last use ran) and how often it deviated."""
+
+    def __init__(self) -> None:
+        self.followed: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        trace = trainer.strategy.engine.pager.trace
+        self.followed.append(trace.following and trace.deviations == 0)
+
+
+def test_a_resumed_run_follows_the_saved_trace_from_its_first_step(trained, tmp_path):
+    """A step without a trace fetches on demand and defers every update to its end (on the disk tier its
+    gradients spill); the trace saved with the checkpoint spares the resumed run that step."""
+    _, path = trained["megatrain"]
+    fresh, resumed = TraceProbe(), TraceProbe()
+    _fit("megatrain", tmp_path / "fresh", max_steps=2, callbacks=[fresh])
+    _fit("megatrain", tmp_path / "resumed", max_steps=5, ckpt_path=path, callbacks=[resumed])
+    assert fresh.followed == [False, True]
+    assert resumed.followed == [True, True]
+
+
 def test_load_state_dict_after_setup(trained, tmp_path):
     plain = trained["auto"][0].module
     module = ScheduledLM(tiny_model("llama", seed=7))

@@ -3,6 +3,7 @@ fallback bit for bit, slices touch only their own elements, no NaN/Inf in the st
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +110,9 @@ def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernel
         for n in (256 * 33 + 5, 100):
             _assert_identical(_run(n, bits, 3, True, **mode), _run(n, bits, 3, False, **mode))
     _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
+    for rounding in ROUNDINGS if bits != 8 else ():
+        sr = dict(stochastic=rounding, seed=2, offset=256 * 5)
+        _assert_identical(_run(256 * 9 + 3, bits, 3, True, **sr), _run(256 * 9 + 3, bits, 3, False, **sr))
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -116,6 +120,82 @@ def test_threads_do_not_change_results(bits: int) -> None:
     _kernel_or_skip()
     n = 256 * 300 + 3
     _assert_identical(_run(n, bits, 2, True, num_threads=1), _run(n, bits, 2, True, num_threads=3))
+
+
+# -- stochastic rounding (table formats) --
+
+TABLE_BITS = [b for b in BITS if b != 8]
+ROUNDINGS = [(), ("m",), ("v",), ("m", "v")]
+
+
+@pytest.mark.parametrize("bits", TABLE_BITS)
+@pytest.mark.parametrize("rounding", ROUNDINGS, ids=["nearest", "sr_m", "sr_v", "sr_mv"])
+@pytest.mark.parametrize("n", [1001, 256 * 40 + 77])
+def test_kernel_matches_fallback_with_any_rounding(bits: int, rounding: tuple, n: int) -> None:
+    _kernel_or_skip()
+    sr = dict(stochastic=rounding, seed=12345, offset=256 * 3)
+    _assert_identical(_run(n, bits, 3, True, **sr), _run(n, bits, 3, False, **sr))
+
+
+def _sliced_run(bits: int, cuts: list[int], use_kernel: bool, num_threads: int = 1) -> tuple:
+    """Three steps over a 256 * 40 + 77-element stream, updated as the slices between ``cuts``, each
+    with its offset in the stream (as a block is updated chunk by chunk)."""
+    n = cuts[-1]
+    p = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    state = C.empty_state(n, bits)
+    for step, grad in enumerate(_grads(n, 3), start=1):
+        for a, b in itertools.pairwise(cuts):
+            where = C.state_slices(a, b, bits)
+            Q.quantized_adamw_(p[a:b], grad[a:b], *(t[w] for t, w in zip(state, where, strict=True)),
+                               bits=bits, step=step, stochastic=("m", "v"), seed=9, offset=a,
+                               use_kernel=use_kernel, num_threads=num_threads, **HP)  # fmt: skip
+    return (p, *state)
+
+
+@pytest.mark.parametrize("bits", TABLE_BITS)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "fallback"])
+def test_stochastic_rounding_ignores_slicing_and_threads(bits: int, use_kernel: bool) -> None:
+    """The random numbers depend on the element's index in its stream, not on the slice or thread that
+    updates it: the stream updated whole, in slices, or on 3 threads is bitwise the same."""
+    if use_kernel:
+        _kernel_or_skip()
+    n = 256 * 40 + 77
+    whole = _sliced_run(bits, [0, n], use_kernel)
+    _assert_identical(_sliced_run(bits, [0, 256, 256 * 17, 256 * 18, n], use_kernel), whole)
+    if use_kernel:
+        _assert_identical(_sliced_run(bits, [0, n], True, num_threads=3), whole)
+
+
+@pytest.mark.parametrize("bits", TABLE_BITS)
+def test_stochastic_rounding_is_seeded(bits: int) -> None:
+    """Seed, step and offset select the random numbers (other codes than nearest rounding's, than
+    another seed's or another offset's); the same ones give the same result."""
+    n = 256 * 8
+    runs = {
+        name: _run(n, bits, 2, False, **kw)
+        for name, kw in {
+            "nearest": dict(stochastic=()),
+            "a": dict(stochastic=("m", "v"), seed=1),
+            "a again": dict(stochastic=("m", "v"), seed=1),
+            "b": dict(stochastic=("m", "v"), seed=2),
+            "shifted": dict(stochastic=("m", "v"), seed=1, offset=256),
+        }.items()
+    }
+    _assert_identical(runs["a"], runs["a again"])
+    for other in ("nearest", "b", "shifted"):
+        for kind, x, y in zip(("m codes", "v codes"), runs["a"][1::2], runs[other][1::2], strict=True):
+            assert not torch.equal(x, y), (other, kind)
+
+
+def test_rejects_bad_rounding() -> None:
+    n = 1000
+    p, g = torch.zeros(n), torch.zeros(n)
+    with pytest.raises(ValueError, match="table format"):
+        Q.quantized_adamw_(p, g, *C.empty_state(n, 8), bits=8, step=1, stochastic=("v",), **HP)
+    with pytest.raises(ValueError, match="'m' and/or 'v'"):
+        Q.quantized_adamw_(p, g, *C.empty_state(n, 4), bits=4, step=1, stochastic=("w",), **HP)
+    with pytest.raises(ValueError, match="offset"):
+        Q.quantized_adamw_(p, g, *C.empty_state(n, 4), bits=4, step=1, stochastic=("v",), offset=-1, **HP)
 
 
 # -- AdamW semantics --
@@ -151,7 +231,8 @@ def test_step_is_adamw_on_the_decoded_state(bits: int, mode: dict, use_kernel: b
         for kind, codes, scales, exact in (("m", mc, ms, m), ("v", vc, vs, v)):
             decoded = C.dequantize(codes, scales, kind, bits, n)
             err = (decoded.double() - exact.double()).abs()
-            bound = C.error_bound(exact, kind, bits) * (1 + 1e-5) + 1e-30  # + the ulps above
+            stochastic = kind in C.FORMATS[bits].stochastic  # the format's default rounding
+            bound = C.error_bound(exact, kind, bits, stochastic) * (1 + 1e-5) + 1e-30  # + the ulps above
             assert (err <= bound).all(), (
                 f"step {step} {kind}: error {float((err - bound).max())} over the bound"
             )

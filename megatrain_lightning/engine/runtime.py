@@ -288,6 +288,16 @@ class Engine:
         self.pager.begin_pass(kind)
         self.stats.trace_deviations = self.pager.trace.deviations
 
+    def schedule_state(self) -> dict[str, Any]:
+        """What the engine learned of the passes (traces, update cadence), saved with a checkpoint: a resumed
+        run then pages ahead and updates at each block's last use from its first step, instead of a step
+        without a trace, which defers every update to its end (on the disk tier its gradients spill)."""
+        return {"trace": self.pager.trace.state_dict(), "cadence": self._cadence.state_dict()}
+
+    def load_schedule_state(self, state: dict[str, Any]) -> None:
+        self.pager.trace.load_state_dict(state["trace"])
+        self._cadence.load_state_dict(state["cadence"])
+
     def wait_all(self) -> None:
         """Wait until every gradient offload and block update issued so far is done."""
         self.grads.flush()

@@ -33,6 +33,16 @@ class Trace:
         self._pos = -1
         self.following = bool(self._replay)
 
+    def state_dict(self) -> dict[str, list[list[int]]]:
+        """The prediction for the next pass of each kind (the last complete one), as plain lists."""
+        passes = self._recorded | {kind: accesses for kind, accesses in self._current.items() if accesses}
+        return {kind: [[block, int(back)] for block, back in accesses] for kind, accesses in passes.items()}
+
+    def load_state_dict(self, state: dict[str, list[list[int]]]) -> None:
+        """Predict the next passes from a saved trace (a resumed run), as if they had just run."""
+        self._recorded = {k: [(block, bool(back)) for block, back in passes] for k, passes in state.items()}
+        self._current = {}
+
     def access(self, access: Access) -> None:
         self._current.setdefault(self._kind, []).append(access)
         if not self.following:
@@ -77,3 +87,9 @@ class UpdateCadence:
 
     def next_updates(self) -> bool:
         return self._since_update + 1 >= self._every
+
+    def state_dict(self) -> dict[str, int]:
+        return {"every": self._every, "since_update": self._since_update}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._every, self._since_update = state["every"], state["since_update"]

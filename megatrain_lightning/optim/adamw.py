@@ -380,6 +380,8 @@ class CPUAdamW(Optimizer):
                         weight_decay=h.weight_decay,
                         decoupled_weight_decay=self.decoupled_weight_decay,
                         maximize=h.maximize,
+                        seed=block,  # stochastic rounding's stream: the block's flat buffer
+                        offset=a,
                     )
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:

@@ -27,14 +27,23 @@ Why these (measured on real gradients by ``benchmarks/codec_candidates.py``, tab
 over a wide range; a linear v map lifts every element below 1/32 of its block's max to 1/16 of it,
 which shrinks those updates by up to 4x, while the logarithmic map keeps every element within
 ``2^(step/2)`` of its value over 7.5 octaves. The first moment is signed and well served by Li et al.'s
-map; smaller blocks cut its error further for 1/16 byte per parameter.
+map; smaller blocks cut its error further for 1/16 byte per parameter. Stochastic rounding is used
+for int4's v only: with both moments stored, it lowered the update's error there (0.404 -> 0.388) and
+raised it for 2-bit v (int3 0.529 -> 0.610, int2 0.941 -> 1.053) and for every m.
 
 Codes are uint8 bytes holding 8 / width codes each, element ``k`` of byte ``j`` in bits
 ``[k * width, (k + 1) * width)`` (so for 4 bits element ``2j`` is the low nibble); a partial last byte
 leaves its unused bits 0.
 
 Encoding rounds to the nearest code (ties: half to even for E4M3 and the linear map, down for the
-first-moment tables; the log map compares with the geometric means of neighbouring values). Inputs are
+first-moment tables; the log map compares with the geometric means of neighbouring values), or, for
+the moments a table format names in ``Format.stochastic``, *stochastically*: to one of the two
+neighbouring values, the farther with probability distance / gap, so that the stored value is
+unbiased (between the map's ends) and v's slow average is not stuck on its code when each step moves
+it by less than half a code. The random numbers are counter-based (``uniforms``: a 32-bit hash of
+the element's index in its stream and a key of the stream's seed and the optimizer step), so a run is
+reproducible and independent of how the stream is cut into slices or threads, and a resumed run draws
+the same numbers. Stochastic rounding changes the encoder only: the codes decode as before. Inputs are
 cleaned first, so no NaN or Inf ever comes out: NaN encodes as 0, +-Inf and magnitudes above ``CLAMP``
 (FLT_MAX less 2 ulp) as +-CLAMP, and v's negative values and -0.0 as 0. A power-of-two pre-scale keeps
 ``1 / absmax`` finite for subnormal blocks. The second moment's block max never drops below
@@ -53,6 +62,8 @@ Error bounds per element x of a block whose cleaned absmax is A (checked by test
   ``x >= s / 2`` and ``dec = s`` below; always ``dec >= s > 0``.
 * v, log map with step ``r`` octaves over ``L`` codes, ``S = max(A, 2^-100)``, ``lo = S * 2^(-r(L-1))``:
   ``|dec - x| <= (2^(r/2) - 1) * x * (1 + 2^-12)`` for ``x >= lo`` and ``dec = lo`` below; ``dec > 0``.
+* Stochastic rounding: the whole gap instead of half of it (m: the largest gap of the map, or the
+  distance from -1; v: ``(2^r - 1) * x``); values of the map encode exactly.
 
 The fused optimizer step (``quantized.py``) uses exactly these codecs; its C++ kernel and torch
 fallback agree with this module bit for bit.
@@ -95,6 +106,7 @@ class Format:
     v_bits: int
     v_block: int
     v_octaves: float | None  # the log map's step (octaves per code); None: int8's linear map
+    stochastic: tuple[Kind, ...] = ()  # moments the fused step encodes with stochastic rounding
 
     @property
     def m_sorted(self) -> Tensor:
@@ -131,8 +143,8 @@ class Format:
 
 FORMATS = {
     8: Format("int8", 8, 256, 8, 128, None),
-    4: Format("int4", 4, 64, 4, 128, 0.5),
-    3: Format("int3", 4, 64, 2, 64, 2.0),
+    4: Format("int4", 4, 64, 4, 128, 0.5, stochastic=("v",)),
+    3: Format("int3", 4, 64, 2, 64, 2.0),  # stochastic rounding measured worse for 2-bit v and for m
     2: Format("int2", 2, 32, 2, 64, 2.0),
 }
 FORMAT_VERSION = 2  # of the stored codes; 1: int4 with blocks of 128 and a linear v map (issue 4)
@@ -268,9 +280,10 @@ def _needs_cleaning(absmax: Tensor) -> bool:
     return not bool(((absmax <= CLAMP) & ~torch.isnan(absmax)).all())
 
 
-def encode_m_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def encode_m_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """fp32 ``[blocks, B]`` -> (uint8 codes ``[blocks, B]`` unpacked, fp32 scales ``[blocks]``).
-    Cleans the input (``clean_m``) first when it holds NaN, Inf or magnitudes above ``CLAMP``."""
+    Cleans the input (``clean_m``) first when it holds NaN, Inf or magnitudes above ``CLAMP``. With
+    ``u`` (:func:`uniforms`, shaped like ``x``; table formats only), rounds stochastically."""
     a = x.abs()
     absmax = a.amax(dim=1)
     if _needs_cleaning(absmax):
@@ -280,6 +293,8 @@ def encode_m_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     pre = _prescale(absmax)
     zero = absmax == 0
     if bits == 8:
+        if u is not None:
+            raise ValueError("stochastic rounding is defined for the table formats, not int8")
         inv = torch.where(zero, torch.zeros_like(absmax), _f32(M8_TOP, x) / (absmax * pre))
         scales = absmax / M8_TOP
         z = a.mul_(pre[:, None]).mul_(inv[:, None])
@@ -299,6 +314,10 @@ def encode_m_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     signed = torch.where(positive >= absmax, absmax, -absmax)
     inv = torch.where(zero, torch.zeros_like(absmax), _f32(1.0, x) / (signed * pre))
     y = (x * pre[:, None]).mul_(inv[:, None])
+    if u is not None:
+        return _round_stochastic(y, fmt.m_sorted, u, ascending=True).add_(levels - fmt.m_zero).bitwise_and_(
+            levels - 1
+        ), signed
     index = torch.full(y.shape, levels - fmt.m_zero, dtype=torch.uint8)  # midpoints below y, + offset
     above = torch.empty(y.shape, dtype=torch.bool)
     for t in fmt.m_midpoints.tolist():
@@ -312,15 +331,18 @@ def decode_m_blocks(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     return table[codes.long()] * scales[:, None]
 
 
-def encode_v_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def encode_v_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """fp32 ``[blocks, B]`` -> (uint8 codes unpacked, fp32 scales ``[blocks]``). Cleans the input
-    (``clean_v``) first when it holds NaN, Inf, negative values or magnitudes above ``CLAMP``."""
+    (``clean_v``) first when it holds NaN, Inf, negative values or magnitudes above ``CLAMP``. With
+    ``u`` (table formats only), rounds stochastically."""
     absmax = x.amax(dim=1)
     if _needs_cleaning(absmax) or not bool(x.amin() >= 0):
         x = clean_v(x)
         absmax = x.amax(dim=1)
     absmax = absmax.clamp_(min=V_FLOOR)
     if bits == 8:
+        if u is not None:
+            raise ValueError("stochastic rounding is defined for the table formats, not int8")
         inv = _f32(256.0, x) / absmax
         scales = absmax * (1.0 / 256)
         code = torch.round(x * inv[:, None]).to(torch.int32)
@@ -328,6 +350,8 @@ def encode_v_blocks(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
         return code.clamp_(0, 255).to(torch.uint8), scales
     inv = _f32(1.0, x) / absmax
     y = x * inv[:, None]
+    if u is not None:
+        return _round_stochastic(y, FORMATS[bits].v_table, u, ascending=False), absmax
     code = torch.zeros(y.shape, dtype=torch.uint8)
     below = torch.empty(y.shape, dtype=torch.bool)
     for t in FORMATS[bits].v_thresholds.tolist():
@@ -341,6 +365,60 @@ def decode_v_blocks(codes: Tensor, scales: Tensor, bits: int) -> Tensor:
     return FORMATS[bits].v_table.to(codes.device)[codes.long()] * scales[:, None]
 
 
+# -- stochastic rounding: counter-based uniforms, the same in the C++ kernel --
+
+_M32 = 0xFFFFFFFF
+_MIX = (0x7FEB352D, 0x2C1B3C6D)  # odd multipliers below 2^31: no int64 product of a 32-bit value overflows
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift, multiply) of int64 values below 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX[0]) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MIX[1]) & _M32
+    return x ^ (x >> 16)
+
+
+def rounding_keys(seed: int, step: int) -> tuple[int, int]:
+    """The 32-bit keys of m's and v's random numbers for one optimizer step of one stream (``seed``:
+    e.g. a block's index): a function of its arguments only, so that a run (and a resumed one) draws
+    the same numbers whatever the threads, chunks or timing."""
+    base = _mix32(_mix32(torch.tensor(seed & _M32)) ^ (step & _M32))
+    return int(_mix32(base ^ 1)), int(_mix32(base ^ 2))
+
+
+def index_hash(start: int, n: int) -> Tensor:
+    """The hash of element indices ``[start, start + n)`` (low 32 bits), shared by m's and v's draws."""
+    return _mix32(torch.arange(start, start + n, dtype=torch.int64) & _M32)
+
+
+def uniforms(hashed: Tensor, key: int) -> Tensor:
+    """fp32 numbers in [0, 1 - 2^-23], multiples of 2^-23, one per hashed index: ``mix32(hash ^ key)``'s
+    top 23 bits."""
+    return (_mix32(hashed ^ key) >> 9).to(torch.float32).mul_(2.0**-23)
+
+
+def _round_stochastic(y: Tensor, values: Tensor, u: Tensor, ascending: bool) -> Tensor:
+    """Sorted index (uint8) of ``y`` rounded to one of its two neighbouring ``values``, the farther one
+    with probability ``distance / gap``: unbiased between the map's ends, ends kept as nearest rounding
+    does (values beyond them go to the end; a value of the map encodes exactly). ``values`` ascending
+    (m) or descending (v); in fp32 operations the kernel repeats."""
+    levels = values.numel()
+    # index: the values after the first on y's near side (m: <= y; v: > y), i.e. the near neighbour's
+    if ascending:
+        index = torch.bucketize(y, values[1:], right=True)
+    else:
+        index = torch.bucketize(y, values[1:].flip(0), right=True).neg_().add_(levels - 1)
+    nxt = (index + 1).clamp_(max=levels - 1)
+    near, far = values[index], values[nxt]
+    # m: near <= y < far; v (descending): far <= y < near
+    lower, upper = (near, far) if ascending else (far, near)
+    up = (y - lower) > u * (upper - lower)
+    take_far = up if ascending else ~up
+    return torch.where(take_far, nxt, index).to(torch.uint8)
+
+
 # -- public codec --
 
 
@@ -351,13 +429,17 @@ def _blocks(x: Tensor, size: int) -> Tensor:
     return x.view(-1, size)
 
 
-def quantize(x: Tensor, kind: Kind, bits: int) -> tuple[Tensor, Tensor]:
-    """Any-shaped float tensor -> ``(codes uint8 [code_bytes(numel)], scales fp32 [num_scales])``."""
+def quantize(x: Tensor, kind: Kind, bits: int, key: int | None = None) -> tuple[Tensor, Tensor]:
+    """Any-shaped float tensor -> ``(codes uint8 [code_bytes(numel)], scales fp32 [num_scales])``;
+    rounded stochastically with the numbers ``uniforms(index_hash(0, numel), key)`` when ``key`` is
+    given (table formats), to the nearest code otherwise."""
     _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
     numel = flat.numel()
     encode = encode_m_blocks if kind == "m" else encode_v_blocks
-    codes, scales = encode(_blocks(flat, block_size(kind, bits)), bits)
+    blocks = _blocks(flat, block_size(kind, bits))
+    u = None if key is None else uniforms(index_hash(0, blocks.numel()), key).view(blocks.shape)
+    codes, scales = encode(blocks, bits, u)
     return pack(codes.reshape(-1)[:numel], width(kind, bits)), scales
 
 
@@ -374,8 +456,9 @@ def dequantize(codes: Tensor, scales: Tensor, kind: Kind, bits: int, numel: int)
     return decode(blocks, scales.reshape(-1).to(torch.float32), bits).reshape(-1)[:numel]
 
 
-def error_bound(x: Tensor, kind: Kind, bits: int) -> Tensor:
-    """The per-element bound on ``|dequantize(quantize(x)) - clean(x)|`` stated in the module docstring."""
+def error_bound(x: Tensor, kind: Kind, bits: int, stochastic: bool = False) -> Tensor:
+    """The per-element bound on ``|dequantize(quantize(x)) - clean(x)|`` stated in the module docstring;
+    ``stochastic``: of a table format rounded stochastically (``quantize(..., key=...)``)."""
     fmt = _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
     numel = flat.numel()
@@ -386,25 +469,29 @@ def error_bound(x: Tensor, kind: Kind, bits: int) -> Tensor:
     if kind == "m" and bits == 8:
         bound = 2.0**-4 * blocks.abs() * slack + 2.0**-18 / M8_TOP * absmax + _TINY
     elif kind == "m":
-        bound = (max_relative_error(kind, bits) * slack) * absmax + _TINY + blocks * 0
+        bound = (max_relative_error(kind, bits, stochastic) * slack) * absmax + _TINY + blocks * 0
     elif bits == 8:
         s = absmax.clamp(min=V_FLOOR) / 256
         bound = torch.where(blocks >= s / 2, s / 2 * slack, s)
     else:
         lo = absmax.clamp(min=V_FLOOR) * float(fmt.v_table[-1])
-        bound = torch.where(blocks >= lo, (2 ** (fmt.v_octaves / 2) - 1) * blocks * slack + _TINY, lo * slack)
+        step = fmt.v_octaves if stochastic else fmt.v_octaves / 2
+        bound = torch.where(blocks >= lo, (2**step - 1) * blocks * slack + _TINY, lo * slack)
     return bound.reshape(-1)[:numel]
 
 
-def max_relative_error(kind: Kind, bits: int) -> float:
-    """The worst error as a fraction of the block absmax (the constant in the bounds above)."""
+def max_relative_error(kind: Kind, bits: int, stochastic: bool = False) -> float:
+    """The worst error as a fraction of the block absmax (the constant in the bounds above); rounded
+    stochastically, a table format's error reaches the whole gap between neighbouring values."""
     fmt = _check(kind, bits)
+    if stochastic and bits == 8:
+        raise ValueError("stochastic rounding is defined for the table formats, not int8")
     if kind == "m":
         if bits == 8:
             return 1 / 30
-        t = fmt.m_sorted  # half the largest gap, or the distance from -1 (y's floor) to the smallest value
-        return max(float(((t[1:] - t[:-1]) / 2).max()), 1 + float(t[0]))
-    return 1.0 / 256 if bits == 8 else 2 ** (fmt.v_octaves / 2) - 1
+        t = fmt.m_sorted  # half the largest gap (SR: all of it), or the distance from -1 to the lowest value
+        return max(float((t[1:] - t[:-1]).max()) / (1 if stochastic else 2), 1 + float(t[0]))
+    return 1.0 / 256 if bits == 8 else 2 ** (fmt.v_octaves / (1 if stochastic else 2)) - 1
 
 
 __all__ = [
@@ -420,12 +507,15 @@ __all__ = [
     "dequantize",
     "empty_state",
     "error_bound",
+    "index_hash",
     "max_relative_error",
     "num_scales",
     "pack",
     "quantize",
+    "rounding_keys",
     "state_bytes",
     "state_slices",
+    "uniforms",
     "unpack",
     "width",
 ]

@@ -34,7 +34,7 @@ from megatrain_lightning.optim import codecs
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quantized_adamw.cpp"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _TABLE_FLOATS = 93
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 # tried in this order; the first that compiles is used (without OpenMP the kernel runs on one thread)
@@ -71,9 +71,16 @@ class _Kernel:
         self.isa = lib.mq_isa().decode()
         fn = lib.mq_adamw_step
         fn.restype = ctypes.c_int
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 3
-        )
+        fn.argtypes = [
+            *[ctypes.c_void_p] * 6,
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            *[ctypes.c_int] * 4,
+            ctypes.c_uint32,
+            ctypes.c_uint32,
+            ctypes.c_int64,
+        ]
         self.step = fn
         self.path = path
 

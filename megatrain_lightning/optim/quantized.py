@@ -92,6 +92,29 @@ def _hyper(
     )
 
 
+@dataclass(frozen=True)
+class _Rounding:
+    """Which moments are rounded stochastically, their keys, and the stream index of the slice's start."""
+
+    m: bool
+    v: bool
+    key_m: int
+    key_v: int
+    offset: int
+
+
+def _rounding(bits: int, stochastic: tuple[str, ...], seed: int, step: int, offset: int) -> _Rounding:
+    if not set(stochastic) <= {"m", "v"} or (stochastic and bits == 8):
+        raise ValueError(
+            f"stochastic must name moments 'm' and/or 'v' of a table format (bits 4, 3, 2); "
+            f"got {stochastic!r} with bits={bits}"
+        )
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0; got {offset}")
+    key_m, key_v = codecs.rounding_keys(seed, step) if stochastic else (0, 0)
+    return _Rounding("m" in stochastic, "v" in stochastic, key_m, key_v, offset)
+
+
 # -- the step --
 
 
@@ -142,6 +165,9 @@ def quantized_adamw_(
     weight_decay: float,
     decoupled_weight_decay: bool = True,
     maximize: bool = False,
+    stochastic: tuple[str, ...] | None = None,
+    seed: int = 0,
+    offset: int = 0,
     num_threads: int | None = None,
     use_kernel: bool | None = None,
 ) -> None:
@@ -156,12 +182,18 @@ def quantized_adamw_(
 
     Semantics of ``torch.optim.AdamW`` (``decoupled_weight_decay=True``) or ``Adam`` with L2 weight
     decay, ``step`` being the step count after incrementing (1 on the first update), except that m
-    and v are decoded before and re-encoded after the update. ``num_threads`` defaults to
-    ``torch.get_num_threads()``; ``use_kernel=False`` forces the torch fallback, ``True`` requires
-    the compiled kernel.
+    and v are decoded before and re-encoded after the update.
+
+    ``stochastic`` names the moments re-encoded with stochastic rounding (``None``: the format's
+    choice, ``FORMATS[bits].stochastic``; table formats only): element ``offset + i`` of the stream
+    ``seed`` (e.g. a block, whose flat buffer starts at offset 0) draws ``codecs.uniforms`` keyed by
+    ``codecs.rounding_keys(seed, step)``, so the result does not depend on how a block is cut into
+    slices or threads. ``num_threads`` defaults to ``torch.get_num_threads()``; ``use_kernel=False``
+    forces the torch fallback, ``True`` requires the compiled kernel.
     """
     _validate(param, grad, m_codes, m_scales, v_codes, v_scales, bits)
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize)
+    sr = _rounding(bits, FORMATS[bits].stochastic if stochastic is None else stochastic, seed, step, offset)
     n = param.numel()
     if n == 0:
         return
@@ -171,7 +203,7 @@ def quantized_adamw_(
             raise RuntimeError(f"the quantized AdamW kernel is unavailable: {kernel.unavailable_reason()}")
         if use_kernel is None:
             kernel.warn_fallback()
-        _torch_step(param, grad, m_codes, m_scales, v_codes, v_scales, bits, h)
+        _torch_step(param, grad, m_codes, m_scales, v_codes, v_scales, bits, h, sr)
         return
     threads = num_threads if num_threads is not None else torch.get_num_threads()
     hyper = (ctypes.c_float * 9)(*h.floats())
@@ -188,6 +220,10 @@ def quantized_adamw_(
         int(h.maximize),
         int(h.l2),
         max(1, int(threads)),
+        int(sr.m) | int(sr.v) << 1,
+        sr.key_m,
+        sr.key_v,
+        sr.offset,
     )
     if rc != 0:
         raise RuntimeError(f"quantized AdamW kernel failed with code {rc}")
@@ -211,16 +247,28 @@ def _torch_step(
     v_scales: Tensor,
     bits: int,
     h: _Hyper,
+    sr: _Rounding,
 ) -> None:
     n = param.numel()
     for a in range(0, n, _FALLBACK_CHUNK):
         b = min(n, a + _FALLBACK_CHUNK)
         mc, ms, vc, vs = codecs.state_slices(a, b, bits)
-        _torch_chunk(param[a:b], grad[a:b], m_codes[mc], m_scales[ms], v_codes[vc], v_scales[vs], bits, h)
+        _torch_chunk(
+            param[a:b], grad[a:b], m_codes[mc], m_scales[ms], v_codes[vc], v_scales[vs], bits, h, sr, a
+        )
 
 
 def _torch_chunk(
-    p: Tensor, g: Tensor, mc: Tensor, ms: Tensor, vc: Tensor, vs: Tensor, bits: int, h: _Hyper
+    p: Tensor,
+    g: Tensor,
+    mc: Tensor,
+    ms: Tensor,
+    vc: Tensor,
+    vs: Tensor,
+    bits: int,
+    h: _Hyper,
+    sr: _Rounding,
+    start: int,
 ) -> None:
     """The kernel's arithmetic, operation for operation, on a slice starting at a multiple of 256.
     Works on zero-padded copies of whole 256-element chunks; padding lanes get m = v = 0 before the
@@ -257,8 +305,11 @@ def _torch_chunk(
     p.copy_(pi[:n])
     m[n:] = 0.0
     v[n:] = 0.0
-    new_m, m_scale = codecs.encode_m_blocks(m.view(-1, fmt.m_block), bits)
-    new_v, v_scale = codecs.encode_v_blocks(v.view(-1, fmt.v_block), bits)
+    hashed = codecs.index_hash(sr.offset + start, padded) if sr.m or sr.v else None
+    um = codecs.uniforms(hashed, sr.key_m).view(-1, fmt.m_block) if sr.m else None
+    uv = codecs.uniforms(hashed, sr.key_v).view(-1, fmt.v_block) if sr.v else None
+    new_m, m_scale = codecs.encode_m_blocks(m.view(-1, fmt.m_block), bits, um)
+    new_v, v_scale = codecs.encode_v_blocks(v.view(-1, fmt.v_block), bits, uv)
     ms.copy_(m_scale[: ms.numel()])
     vs.copy_(v_scale[: vs.numel()])
     for codes, new, w in ((mc, new_m, fmt.m_bits), (vc, new_v, fmt.v_bits)):

@@ -4,8 +4,8 @@ Layout of ``<name>.ckpt/``::
 
     manifest.json              every file with its size and SHA-256; written last
     README.txt                 how to read this directory without megatrain's strategy
-    lightning.pt               Lightning's own state (loops, schedulers, callbacks, hyperparameters, RNG),
-                               loadable with ``torch.load(weights_only=True)``
+    lightning.pt               Lightning's own state (loops, schedulers, callbacks, hyperparameters, RNG)
+                               and the engine's traces, loadable with ``torch.load(weights_only=True)``
     model/block-NNNNN.safetensors      fp32 weights, named as in the LightningModule's state_dict
     model/buffers.safetensors          persistent buffers
     model/config.json                  the Hugging Face config, for ``export_hf``
@@ -77,6 +77,10 @@ or convert it once to a standard single-file checkpoint:  megatrain convert <thi
 
 class CheckpointError(MisconfigurationException):
     """A checkpoint is incomplete, corrupt or for another model; nothing was loaded."""
+
+
+SCHEDULE_KEY = "megatrain_schedule"  # the engine's traces and update cadence (``Engine.schedule_state``)
+MEGATRAIN_KEYS = ("megatrain_rng", "megatrain_cuda_rng", SCHEDULE_KEY)  # read back by megatrain only
 
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
@@ -356,8 +360,8 @@ def to_lightning(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
         )
     _check_fits_in_ram(ckpt, copies)
     state = ckpt.lightning_state()
-    state.pop("megatrain_rng", None)
-    state.pop("megatrain_cuda_rng", None)
+    for key in MEGATRAIN_KEYS:
+        state.pop(key, None)
     weights = {name: read_tensor(entry) for name, entry in ckpt.weights().entries.items()}
     state_dict = dict(weights)
     state_dict.update({alias: weights[name] for alias, name in ckpt.manifest["aliases"].items()})

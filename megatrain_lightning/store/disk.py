@@ -254,9 +254,11 @@ class DiskStore(HostStore):
         with self._cond:
             for chunk in self._chunks_in(block, span):
                 key = (block, kind, chunk)
-                self._on_disk.discard(key)
                 self._claimed.pop(key, None)
                 entry = self._entries.get(key)
+                if key in self._on_disk and (entry is None or not entry.busy):  # no write of it in flight
+                    self._files.release(key, self._chunk_bytes(key)[1])  # under the lock: later writes follow
+                self._on_disk.discard(key)
                 if entry is not None and not entry.pins and not entry.busy:
                     self._evict(key, entry)
                 elif entry is not None:

@@ -45,6 +45,12 @@ class StoreFiles:
             self.offsets[kind] = offsets
         return self.files[kind]
 
+    def release(self, key: tuple[int, str, int], nbytes: int) -> None:
+        """The chunk ``key`` (block, kind, chunk) of ``nbytes`` on disk is no longer needed: a sparse file
+        gives its space back."""
+        block, kind, chunk = key
+        self.files[kind].release(self.offsets[kind][block][chunk], pages(nbytes))
+
     def write_manifest(self) -> None:
         manifest = {
             "format": 1,

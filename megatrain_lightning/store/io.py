@@ -5,6 +5,7 @@ files are opened buffered instead, and that is logged once.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -17,6 +18,7 @@ from megatrain_lightning.store.layout import chunk_numel_for
 
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (Linux)
 
 
 class StoreIOError(OSError):
@@ -57,6 +59,7 @@ class BlockFile:
             if config.direct and folder not in _warned_buffered:
                 _warned_buffered.add(folder)
                 log.warning(f"megatrain: {folder} refuses O_DIRECT (tmpfs?); using buffered I/O there.")
+        self.sparse = sparse
         try:
             if sparse:
                 os.ftruncate(self.fd, size)
@@ -67,6 +70,13 @@ class BlockFile:
             raise StoreIOError(
                 err.errno, f"megatrain: cannot reserve {size / 1e9:.2f} GB for {path}: {err.strerror}"
             ) from err
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Give the disk space of a region whose contents are no longer needed back to the filesystem (a
+        sparse file's consumed gradients: a first step spills most of them, and without this their space
+        would stay taken until the run ends). Where the filesystem cannot punch holes the space stays."""
+        if self.sparse and _fallocate(self.fd, _PUNCH_HOLE, offset, nbytes) != 0:
+            self.sparse = False  # not supported here (errno EOPNOTSUPP): do not try again
 
     def read(self, offset: int, buf: Tensor) -> None:
         """Fill ``buf`` (a page-aligned uint8 tensor, whole pages long) from ``offset``."""
@@ -91,6 +101,15 @@ class BlockFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _fallocate(fd: int, mode: int, offset: int, nbytes: int) -> int:
+    try:
+        libc_fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):  # not Linux
+        return -1
+    libc_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return libc_fallocate(fd, mode, offset, nbytes)
 
 
 def io_error(err: OSError, path: str, what: str) -> StoreIOError:

@@ -115,6 +115,18 @@ template <int W>
 inline __m512 m_mid16() { return _mm512_load_ps(W == 4 ? M4_MID16.t : M2_MID16.t); }
 template <int W>
 inline __m512 v_th16() { return _mm512_load_ps(W == 4 ? V4_TH16.t : V2_TH16.t); }
+// for stochastic rounding: the sorted m maps, their values above the lowest (padded with 2), and the v
+// maps' values below the largest (padded with -1)
+constexpr Padded16<16, 16> M4_SORT16(M4_SORTED, 0.0f);
+constexpr Padded16<4, 4> M2_SORT16(M2_SORTED, 0.0f);
+constexpr Padded16<15, 16> M4_ABOVE16(M4_SORTED + 1, 2.0f), V4_BELOW16(V4_DECODE + 1, -1.0f);
+constexpr Padded16<3, 4> M2_ABOVE16(M2_SORTED + 1, 2.0f), V2_BELOW16(V2_DECODE + 1, -1.0f);
+template <int W>
+inline __m512 m_sorted16() { return _mm512_load_ps(W == 4 ? M4_SORT16.t : M2_SORT16.t); }
+template <int W>
+inline __m512 m_above16() { return _mm512_load_ps(W == 4 ? M4_ABOVE16.t : M2_ABOVE16.t); }
+template <int W>
+inline __m512 v_below16() { return _mm512_load_ps(W == 4 ? V4_BELOW16.t : V2_BELOW16.t); }
 
 // Branchless binary search over L - 1 sorted thresholds (padded to 16): the number of leading
 // thresholds for which ``pred(y, threshold)`` holds, when it holds for a prefix of them.
@@ -148,7 +160,118 @@ inline float bfloat(uint32_t u) {
 
 struct Hyper {
   float decay, wd, b1, omb1, b2, omb2, ibc2, eps, nstep;
+  // stochastic rounding of the table formats' m / v codes, keyed per (stream, step): see draws()
+  bool sr_m, sr_v;
+  uint32_t key_m, key_v;
 };
+
+// A 32-bit integer hash (codecs._mix32): the counter-based random numbers of stochastic rounding.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x2c1b3c6du;
+  return x ^ (x >> 16);
+}
+
+#if defined(__AVX512F__)
+inline __m512i mix32x16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x2c1b3c6d));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+inline __m512 uniform16(__m512i hashed, uint32_t key) {
+  const __m512i h = mix32x16(_mm512_xor_si512(hashed, _mm512_set1_epi32((int)key)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 9)), _mm512_set1_ps(0x1p-23f));
+}
+#endif
+
+// The uniform numbers in [0, 1) (multiples of 2^-23) of the elements base .. base + 255 of a stream
+// (only the moments rounded stochastically): a function of (key, element index) only (codecs.uniforms),
+// so chunking and threads do not matter.
+inline void draws(int64_t base, const Hyper& h, float* __restrict um, float* __restrict uv) {
+#if defined(__AVX512F__)
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int i = 0; i < CHUNK; i += 16) {
+    const __m512i hashed = mix32x16(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(base + i)), iota));
+    if (h.sr_m) _mm512_store_ps(um + i, uniform16(hashed, h.key_m));
+    if (h.sr_v) _mm512_store_ps(uv + i, uniform16(hashed, h.key_v));
+  }
+#else
+  for (int i = 0; i < CHUNK; ++i) {
+    const uint32_t hashed = mix32((uint32_t)(base + i));
+    if (h.sr_m) um[i] = (float)(mix32(hashed ^ h.key_m) >> 9) * 0x1p-23f;
+    if (h.sr_v) uv[i] = (float)(mix32(hashed ^ h.key_v) >> 9) * 0x1p-23f;
+  }
+#endif
+}
+
+// Stochastic rounding of nb normalized values between their two neighbouring map values (codecs.
+// _round_stochastic): the farther with probability distance / gap; beyond the map's ends, the end.
+// m: y = (value * pre) * inv against the ascending map; v: y = value * inv against the descending one.
+template <int W>
+inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, float inv, const float* __restrict u,
+                        uint8_t* __restrict out) {
+  constexpr int L = MMap<W>::L;
+#if defined(__AVX512F__)
+  const __m512 sorted = m_sorted16<W>(), above = m_above16<W>();
+  const __m512 vpre = _mm512_set1_ps(pre), vinv = _mm512_set1_ps(inv);
+  const __m512i last = _mm512_set1_epi32(L - 1), one = _mm512_set1_epi32(1);
+  const __m512i off = _mm512_set1_epi32(L - MMap<W>::ZERO);
+  for (int i = 0; i < nb; i += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(bits + i)), vpre), vinv);
+    const __m512i j = count_prefix<L, _CMP_GE_OQ>(y, above);  // values above the lowest that are <= y
+    const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(j, one), last);
+    const __m512 lo = _mm512_permutexvar_ps(j, sorted), hi = _mm512_permutexvar_ps(nx, sorted);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(y, lo),
+                                            _mm512_mul_ps(_mm512_loadu_ps(u + i), _mm512_sub_ps(hi, lo)), _CMP_GT_OQ);
+    const __m512i idx = _mm512_mask_blend_epi32(up, j, nx);
+    const __m512i code = _mm512_and_si512(_mm512_add_epi32(idx, off), last);
+    _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(code));
+  }
+  return;
+#endif
+  const float* T = MMap<W>::SORTED;
+  for (int i = 0; i < nb; ++i) {
+    const float y = (bfloat(bits[i]) * pre) * inv;
+    int j = 0;
+    for (int k = 1; k < L; ++k) j += y >= T[k];
+    const int nx = j + 1 < L ? j + 1 : L - 1;
+    const float lo = T[j], hi = T[nx];
+    const int idx = (y - lo) > u[i] * (hi - lo) ? nx : j;
+    out[i] = (uint8_t)((idx + L - MMap<W>::ZERO) & (L - 1));
+  }
+}
+template <int W>
+inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, const float* __restrict u,
+                        uint8_t* __restrict out) {
+  constexpr int L = VMap<W>::L;
+#if defined(__AVX512F__)
+  const __m512 table = v_decode16<W>(), below = v_below16<W>(), vinv = _mm512_set1_ps(inv);
+  const __m512i last = _mm512_set1_epi32(L - 1), one = _mm512_set1_epi32(1);
+  for (int i = 0; i < nb; i += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(bits + i)), vinv);
+    const __m512i k = count_prefix<L, _CMP_LT_OQ>(y, below);  // values below the largest that are > y
+    const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(k, one), last);
+    const __m512 upper = _mm512_permutexvar_ps(k, table), lower = _mm512_permutexvar_ps(nx, table);
+    const __mmask16 up = _mm512_cmp_ps_mask(
+        _mm512_sub_ps(y, lower), _mm512_mul_ps(_mm512_loadu_ps(u + i), _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
+    _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(up, nx, k)));
+  }
+  return;
+#endif
+  const float* D = VMap<W>::DECODE;
+  for (int i = 0; i < nb; ++i) {
+    const float y = bfloat(bits[i]) * inv;
+    int k = 0;
+    for (int c = 1; c < L; ++c) k += y < D[c];
+    const int nx = k + 1 < L ? k + 1 : L - 1;
+    const float upper = D[k], lower = D[nx];
+    out[i] = (uint8_t)((y - lower) > u[i] * (upper - lower) ? k : nx);
+  }
+}
 
 // IEEE arithmetic for the duration of a kernel call on this thread: round to nearest even, no
 // flush-to-zero / denormals-are-zero (torch.set_flush_denormal may have set them).
@@ -311,7 +434,7 @@ inline void pack_codes(const uint8_t* __restrict in, uint8_t* __restrict out) {
 template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
 inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
                    float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs, const Hyper& h,
-                   int valid) {
+                   int valid, int64_t base) {
   constexpr int SUB = MB < VB ? MB : VB;  // elements sharing both scales
   [[maybe_unused]] constexpr auto& MT = mtables<MW>();
   alignas(64) float mn[CHUNK];
@@ -323,6 +446,9 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
   alignas(64) float y[CHUNK];      // normalized values to encode
   alignas(64) int32_t idx[CHUNK];  // their codes
 #endif
+  alignas(64) float um[CHUNK];  // stochastic rounding's uniform numbers (when h.sr_m / h.sr_v)
+  alignas(64) float uv[CHUNK];
+  if (h.sr_m || h.sr_v) draws(base, h, um, uv);
   unpack_codes<MW>(mc, mcu);
   unpack_codes<VW>(vc, vcu);
 
@@ -408,6 +534,10 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float pre = prescale(A);
     const float inv = A == 0.0f ? 0.0f : 1.0f / (S * pre);
     ms[o / MB] = S;
+    if (h.sr_m) {
+      sr_encode_m<MW>(mab + o, MB, pre, inv, um + o, mcu + o);
+      continue;
+    }
 #if defined(__AVX512F__)
     {
       const __m512 th = m_mid16<MW>(), vpre = _mm512_set1_ps(pre), vinv = _mm512_set1_ps(inv);
@@ -458,6 +588,10 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float A = bfloat(vmax);
     const float inv = 1.0f / A;
     vs[o / VB] = A;
+    if (h.sr_v) {
+      sr_encode_v<VW>(mab + o, VB, inv, uv + o, vcu + o);
+      continue;
+    }
 #if defined(__AVX512F__)
     {
       const __m512 th = v_th16<VW>(), vinv = _mm512_set1_ps(inv);
@@ -782,14 +916,14 @@ using Int2 = Fmt<2, 32, 2, 64>;
 
 template <class F, bool MAXIMIZE, bool L2>
 inline void one_chunk(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, const Hyper& h,
-                      int valid) {
+                      int valid, int64_t base) {
   if constexpr (F::MW == 8) chunk8<MAXIMIZE, L2>(p, g, mc, ms, vc, vs, h, valid);
-  else tchunk<F::MW, F::MB, F::VW, F::VB, MAXIMIZE, L2>(p, g, mc, ms, vc, vs, h, valid);
+  else tchunk<F::MW, F::MB, F::VW, F::VB, MAXIMIZE, L2>(p, g, mc, ms, vc, vs, h, valid, base);
 }
 
 template <class F, bool MAXIMIZE, bool L2>
 void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, int64_t n,
-         const Hyper& h, int nthreads) {
+         const Hyper& h, int nthreads, int64_t offset) {
   const int64_t full = n / CHUNK;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && full > 16)
@@ -831,7 +965,7 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
         continue;
       }
 #endif
-      one_chunk<F, MAXIMIZE, L2>(pc, gc, mcc, msc, vcc, vsc, h, CHUNK);
+      one_chunk<F, MAXIMIZE, L2>(pc, gc, mcc, msc, vcc, vsc, h, CHUNK, offset + c * CHUNK);
     }
 #if defined(MQ_PASS1)
     if constexpr (F::MW == 8) {
@@ -863,10 +997,10 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
     MQ_PASS1<MAXIMIZE, L2, true>(tp, tg, tmc, tms, tvc, tvs, h, rest, staged);
     MQ_PASS2(staged);
   } else {
-    one_chunk<F, MAXIMIZE, L2>(tp, tg, tmc, tms, tvc, tvs, h, rest);
+    one_chunk<F, MAXIMIZE, L2>(tp, tg, tmc, tms, tvc, tvs, h, rest, offset + c * CHUNK);
   }
 #else
-  one_chunk<F, MAXIMIZE, L2>(tp, tg, tmc, tms, tvc, tvs, h, rest);
+  one_chunk<F, MAXIMIZE, L2>(tp, tg, tmc, tms, tvc, tvs, h, rest, offset + c * CHUNK);
 #endif
   std::memcpy(p + c * CHUNK, tp, rest * sizeof(float));
   std::memcpy(mcc, tmc, mbytes);
@@ -886,13 +1020,13 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
 
 template <class F>
 void dispatch_flags(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs,
-                    int64_t n, const Hyper& h, int maximize, int l2, int nthreads) {
+                    int64_t n, const Hyper& h, int maximize, int l2, int nthreads, int64_t offset) {
   if (maximize) {
-    if (l2) run<F, true, true>(p, g, mc, ms, vc, vs, n, h, nthreads);
-    else run<F, true, false>(p, g, mc, ms, vc, vs, n, h, nthreads);
+    if (l2) run<F, true, true>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
+    else run<F, true, false>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
   } else {
-    if (l2) run<F, false, true>(p, g, mc, ms, vc, vs, n, h, nthreads);
-    else run<F, false, false>(p, g, mc, ms, vc, vs, n, h, nthreads);
+    if (l2) run<F, false, true>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
+    else run<F, false, false>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
   }
 }
 
@@ -900,7 +1034,7 @@ void dispatch_flags(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* v
 
 extern "C" {
 
-int mq_abi_version() { return 2; }
+int mq_abi_version() { return 3; }
 
 const char* mq_isa() {
 #if defined(__AVX512F__)
@@ -933,18 +1067,22 @@ void mq_tables(float* out) {
 }
 
 // hyper: decay, wd, beta1, 1-beta1, beta2, 1-beta2, 1/sqrt(bc2), eps, -lr/bc1 (all float32).
-// bits: the format (8, 4, 3 or 2). Returns 0 on success, -1 for bad arguments.
+// bits: the format (8, 4, 3 or 2). sr: bit 0 rounds m stochastically, bit 1 v (table formats only), with
+// the keys key_m / key_v; offset: the index of p[0] in the stream of random numbers. Returns 0 on
+// success, -1 for bad arguments.
 int mq_adamw_step(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, int64_t n,
-                  int bits, const float* hyper, int maximize, int l2, int nthreads) {
-  if (n < 0 || (bits != 8 && bits != 4 && bits != 3 && bits != 2)) return -1;
+                  int bits, const float* hyper, int maximize, int l2, int nthreads, int sr, uint32_t key_m,
+                  uint32_t key_v, int64_t offset) {
+  if (n < 0 || (bits != 8 && bits != 4 && bits != 3 && bits != 2) || (bits == 8 && sr)) return -1;
   if (n == 0) return 0;
-  Hyper h{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5], hyper[6], hyper[7], hyper[8]};
+  Hyper h{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5],
+          hyper[6], hyper[7], hyper[8], (sr & 1) != 0, (sr & 2) != 0, key_m, key_v};
   if (nthreads < 1) nthreads = 1;
   switch (bits) {
-    case 8: dispatch_flags<Int8>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads); break;
-    case 4: dispatch_flags<Int4>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads); break;
-    case 3: dispatch_flags<Int3>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads); break;
-    default: dispatch_flags<Int2>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads); break;
+    case 8: dispatch_flags<Int8>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
+    case 4: dispatch_flags<Int4>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
+    case 3: dispatch_flags<Int3>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
+    default: dispatch_flags<Int2>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
   }
   return 0;
 }
