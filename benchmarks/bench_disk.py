@@ -17,6 +17,9 @@ before and just after its runs, in the same folder as the store.
   thread pool, as the store issues it) over the whole grid, and training runs along each axis.
 - ``peer``: DeepSpeed ZeRO-3 with parameters and optimizer state on NVMe (``ds_peer.py``, same
   weights and batches) against the overlap part's disk-tier run.
+- ``traffic``: the I/O-bound run's model with a host cache of 0.14 and 0.77 of weights + optimizer state,
+  fp32 and bf16-mixed with int4 moments, with and without accumulation: store bytes per step by file
+  against the least its schedule allows (``planner.plan.least_disk_traffic``).
 
 Store I/O is timed by wrapping ``BlockFile.read``/``write`` in this process (the engine is not
 changed): the time during which at least one read (write, either) is in flight gives the rate
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import json
@@ -69,7 +73,10 @@ from bench_engine import (  # noqa: E402
 )
 
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
+from megatrain_lightning.engine.blocks import discover_blocks  # noqa: E402
+from megatrain_lightning.planner.plan import DiskTraffic, least_disk_traffic  # noqa: E402
 from megatrain_lightning.presets import llama_config  # noqa: E402
+from megatrain_lightning.store import sizing  # noqa: E402
 from megatrain_lightning.store.io import BlockFile, IOConfig  # noqa: E402
 from megatrain_lightning.store.memory import ALIGNMENT, host_empty  # noqa: E402
 
@@ -83,7 +90,19 @@ STATE_BYTES = 12  # bytes per parameter of weights + Adam m + v (fp32): the stor
 DEFAULT_THREADS, DEFAULT_CHUNK_MB = 4, 16  # MegaTrainStrategy's io_threads, io_chunk_mb
 EFFICIENCY_SEQ, EFFICIENCY_SLOTS = 16, 4  # few tokens: I/O-bound; slots: a GPU's few blocks
 OVERLAP_SLOTS = 2
-PARTS = ("overlap", "efficiency", "sweep", "peer")
+PARTS = ("overlap", "efficiency", "sweep", "peer", "traffic")
+# traffic: cache / (weights + optimizer state) as in the 7B (0.14) and 1B (0.77) scale.py runs, precision,
+# optimizer_compression, accumulate_grad_batches
+TRAFFIC_CASES = (
+    (0.14, "32-true", "none", 1),
+    (0.14, "bf16-mixed", "int4", 1),
+    (0.77, "32-true", "none", 1),
+    (0.77, "bf16-mixed", "int4", 1),
+    (0.14, "32-true", "none", 2),
+    (0.77, "bf16-mixed", "int4", 2),
+)
+TRAFFIC_STEPS = 5  # the first two record the trace and update late: not counted
+TRAFFIC_CHUNKS = 50  # chunks per largest block, as 16 MB chunks are to a 7B layer
 
 
 def verdict(ok: bool) -> str:
@@ -443,6 +462,70 @@ def traffic_table(run: Run, num_blocks: int) -> None:
         )
 
 
+# -- store traffic against the least --
+
+
+class StepEnds(L.Callback):
+    """When each optimizer step ended (the last micro-batch of an accumulation)."""
+
+    def __init__(self) -> None:
+        self.ends: dict[int, float] = {}
+        self.state_kinds: tuple[str, ...] = ()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.ends[trainer.global_step] = time.perf_counter()
+        self.state_kinds = trainer.strategy.engine.optimizer.state_kinds
+
+
+def traffic(args: argparse.Namespace, directory: str) -> None:
+    print("\n== traffic: store bytes per step against the least the schedule allows ==", flush=True)
+    config, model, _ = efficiency_model(args.quick)
+    _, largest, num_blocks = block_bytes(model)
+    blocks = discover_blocks(model)
+    chunk_mb = largest / TRAFFIC_CHUNKS / 2**20
+    print(f"model: {describe_model(model, 1, EFFICIENCY_SEQ)}; io_chunk_mb {chunk_mb:.3g}; steps 3..5")
+    for share, precision, compression, accumulate in TRAFFIC_CASES:
+        size = sizing.region_bytes(blocks) + sizing.state_bytes(blocks, compression)
+        strategy = MegaTrainStrategy(
+            max_vram_gb=EFFICIENCY_SLOTS * largest * 1.001 / GB,
+            offload_dir=directory,
+            max_cpu_gb=share * size / GB,
+            io_chunk_mb=chunk_mb,
+            optimizer_compression=compression,
+        )
+        ends, trace = StepEnds(), IOTrace()
+        trainer = L.Trainer(
+            strategy=strategy,
+            max_steps=TRAFFIC_STEPS,
+            callbacks=[ends],
+            accumulate_grad_batches=accumulate,
+            **trainer_kwargs("cpu", precision),
+        )
+        batches = make_batches(config.vocab_size, TRAFFIC_STEPS * accumulate, 1, EFFICIENCY_SEQ)
+        with trace.active():
+            trainer.fit(BenchModule(copy.deepcopy(model)), DataLoader(batches, batch_size=None))
+        store = strategy.engine.store
+        least = least_disk_traffic(
+            store.stored_bytes("param"),
+            sum(store.stored_bytes(kind) for kind in ends.state_kinds),
+            store.cache_bytes,
+            accumulate,
+            largest,
+        )
+        steps = TRAFFIC_STEPS - 2
+        moved = trace.by_kind(ends.ends[2], ends.ends[TRAFFIC_STEPS])
+        figures = ", ".join(f"{k} {v / GB:.4f}" for k, v in dataclasses.asdict(least).items())
+        print(
+            f"\ncache {share} of the store ({store.cache_bytes / GB:.3f} GB), {precision}, moments "
+            f"{compression}, accumulate {accumulate}: the least per step (GB): {figures}"
+        )
+        traffic_table(Run("", [0.0] * steps, [], [], [], [], [], 0.0, traffic=moved), num_blocks)
+        for op, name, bound in (("R", "read", least.reads), ("W", "written", least.writes)):
+            total = sum(b for (o, _), (_, b) in moved.items() if o == op) / steps
+            print(f"{name} {total / GB:.4f} GB/step, least {bound / GB:.4f}: {total / bound:.2f}x")
+        close(trainer)
+
+
 # -- part 1: disk efficiency --
 
 
@@ -454,9 +537,9 @@ def efficiency_config(quick: bool) -> PretrainedConfig:
     return llama_config("170m", num_hidden_layers=16, vocab_size=8192)
 
 
-def store_rates(run: Run, reference: DiskReference, floor: float) -> None:
+def store_rates(run: Run, reference: DiskReference, least: DiskTraffic) -> None:
     """Print the store's GB/s three ways against the disk's, the share of disk time the run used (for
-    the mean and for each measurement of the disk), and the share the ``floor`` bytes each way would use."""
+    the mean and for each measurement of the disk), and the share the ``least`` traffic would use."""
     wall, disk = run.wall_s, reference.speed
     print(
         f"\n{'':6} {'GB/step':>8} {'GB/s wall':>10} {'/disk':>6} {'GB/s active':>12} {'/disk':>6} "
@@ -484,12 +567,14 @@ def store_rates(run: Run, reference: DiskReference, floor: float) -> None:
         f"{min(spread):.2f}-{max(spread):.2f} with each disk measurement alone); "
         f"/ time with I/O in flight = {active:.2f}"
     )
-    useful = (floor / disk.read + floor / disk.write) / run.median_s
-    read, write = (run.per_step(f"disk_{k}_bytes") / GB / floor for k in ("read", "write"))
+    useful = (least.reads / GB / disk.read + least.writes / GB / disk.write) / run.median_s
+    read, write = (
+        run.per_step(f"disk_{k}_bytes") / b for k, b in (("read", least.reads), ("write", least.writes))
+    )
     print(
-        f"useful: the lower bound of {floor:.3f} GB/step each way (weights, m and v once, less what the "
-        f"cache holds) at disk speed / step time = {useful:.2f}; moved / lower bound: read {read:.2f}x, "
-        f"write {write:.2f}x"
+        f"useful: the least traffic of a step ({least.reads / GB:.3f} GB read, {least.writes / GB:.3f} GB "
+        f"written: planner.plan.least_disk_traffic) at disk speed / step time = {useful:.2f}; moved / "
+        f"least: read {read:.2f}x, write {write:.2f}x"
     )
 
 
@@ -610,7 +695,8 @@ def efficiency(args: argparse.Namespace, directory: str) -> None:
         f"{run.faulted_gb:.2f} GB/step; load average {run.load:.2f}; peak host cache "
         f"{run.peak_cache_bytes / GB:.3f} GB"
     )
-    store_rates(run, reference, max(0.0, store_bytes(model) - cache) / GB)
+    weights, largest, _ = block_bytes(model)
+    store_rates(run, reference, least_disk_traffic(weights, 2 * weights, cache, 1, largest))
     traffic_table(run, num_blocks)
     engine_time(run)
 
@@ -839,6 +925,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             sweep(args, directory)
         if "peer" in parts:
             peer(args, directory, ours)
+        if "traffic" in parts:
+            traffic(args, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -234,6 +235,7 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
         Workload,
         activation_bytes,
         disk_traffic,
+        least_disk_traffic,
         plan_for,
     )
     from megatrain_lightning.planner.table import format_plan
@@ -261,10 +263,10 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
     row = plan.row("megatrain int4")
     cache = row.settings.cache_gb * GB if row.settings else args.max_cpu_gb * GB
     # The least traffic as the planner counts it, with the store's exact bytes (embeddings, head and small
-    # parameters keep fp32 moments): weights and moments partly cached.
-    weights, state = sizing.region_bytes(blocks), sizing.state_bytes(blocks, "int4")
-    uncached = 1 - min(1.0, cache / (weights + state))
-    reads, writes = uncached * (2 * weights + state), weights + state
+    # parameters keep fp32 moments).
+    least = least_disk_traffic(
+        sizing.region_bytes(blocks), sizing.state_bytes(blocks, "int4"), cache, 1, 4 * shape.largest_block
+    )
     grads = 2 * shape.largest_block  # one block's gradients in bf16 on the CPU "device"
     return {
         "rss_growth": row.host_gb * GB + row.gpu_gb * GB + grads,
@@ -276,9 +278,10 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
         "bound_by": row.bound_by,
         "compute_s": 6 * shape.num_params * args.seq / (tflops * 1e12),
         "disk_s": sum(disk_traffic(shape, "int4", 1, cache)) / (disk_gbps * GB),
-        "least_disk_s": (reads + writes) / (disk_gbps * GB),
-        "reads": reads,
-        "writes": writes,
+        "least_disk_s": (least.reads + least.writes) / (disk_gbps * GB),
+        "reads": least.reads,
+        "writes": least.writes,
+        "least": dataclasses.asdict(least),
         "params": shape.num_params,
         "min_cache": sizing.min_cache_bytes(shape.largest_block, cuda=False),
     }
@@ -367,6 +370,8 @@ def report(
         f"read {reads / GB:.2f} GB (least {plan['reads'] / GB:.2f}: {reads / plan['reads']:.2f}x), write "
         f"{writes / GB:.2f} GB (least {plan['writes'] / GB:.2f}: {writes / plan['writes']:.2f}x)"
     )
+    least = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in plan["least"].items())
+    print(f"least by what the files hold: {least}")
     ends = run["ends"]
     save_at = args.steps - 2
     save_s = steps[save_at]["start"] - ends[save_at - 1]

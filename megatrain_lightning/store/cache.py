@@ -9,6 +9,7 @@ with its lock held.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class Entry:
     dirty: bool = False
     ready: Future | None = None  # the load from disk
     writing: Future | None = None  # a write-back in flight
+    ahead: bool = False  # read ahead, not pinned since
 
     @property
     def size(self) -> int:
@@ -41,7 +43,11 @@ class Entry:
 
     @property
     def busy(self) -> bool:
-        return any(f is not None and not f.done() for f in (self.ready, self.writing))
+        return self.loading or (self.writing is not None and not self.writing.done())
+
+    @property
+    def loading(self) -> bool:
+        return self.ready is not None and not self.ready.done()
 
 
 def failed(future: Future | None) -> bool:
@@ -56,10 +62,13 @@ def best_window(
     rank: float,
     keep: frozenset[Key],
     clean_only: bool = False,
+    writing_ok: bool = True,
 ) -> tuple[int, list[tuple[Key, Entry]]] | None:
     """The ``size``-byte range of ``arena`` whose eviction hurts least (see the module docstring), as its
-    start and the entries in it; ``None`` if every range holds an entry that may not leave: pinned, in
-    I/O, in ``keep``, dirty when ``clean_only``, or needed no later than ``rank``."""
+    start and the entries in it; ``None`` if every range holds an entry that may not leave: pinned,
+    loading, in ``keep``, dirty when ``clean_only``, or needed no later than ``rank``. An entry being
+    written back may if ``writing_ok``: the caller waits for the write rather than evict something
+    needed sooner."""
     segments = sorted(
         [(start, end, None) for start, end in arena.gaps()]
         + [(e.offset, e.offset + e.size, (k, e)) for k, e in entries.items() if e.size],
@@ -69,7 +78,7 @@ def best_window(
     for i, (start, _, _) in enumerate(segments):
         if start + size > arena.capacity:
             break
-        victims = _evictable_from(segments[i:], start + size, rank_of, rank, keep, clean_only)
+        victims = _evictable_from(segments, i, start + size, rank_of, rank, keep, clean_only, writing_ok)
         if victims is None:
             continue
         soonest = min((rank_of(k) for k, _ in victims), default=NEVER)
@@ -82,21 +91,24 @@ def best_window(
 
 def _evictable_from(
     segments: list,
+    first: int,
     end: int,
     rank_of: Callable[[Key], float],
     rank: float,
     keep: frozenset[Key],
     clean_only: bool,
+    writing_ok: bool,
 ) -> list[tuple[Key, Entry]] | None:
-    """The entries among ``segments`` that start before ``end``, or ``None`` if one may not leave."""
+    """The entries among ``segments[first:]`` that start before ``end``, or ``None`` if one may not leave."""
     victims = []
-    for start, _, item in segments:
+    for start, _, item in itertools.islice(segments, first, None):
         if start >= end:
             break
         if item is None:
             continue
         key, entry = item
-        held = entry.pins or entry.busy or key in keep or (clean_only and entry.dirty)
+        held = entry.pins or (entry.busy if not writing_ok else entry.loading) or key in keep
+        held = held or (clean_only and entry.dirty)
         if held or rank_of(key) <= rank:
             return None
         victims.append(item)

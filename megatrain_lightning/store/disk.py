@@ -7,10 +7,12 @@ two runs cannot share the folder. Cache (:mod:`.cache`): regions of one host buf
 (:mod:`megatrain_lightning.store.arena`), one per (block, kind, chunk), pinned while in use; eviction
 frees the region whose contents are needed farthest in the future (Belady: ``hint`` ranks each block's
 weights, gradients and optimizer state by the trace's next use of that kind, and ``claim`` puts a
-submitted update's chunks first, in order), never a pinned one, and writes dirty ones back first. The
-cache loads ahead in that order as far as it can without evicting anything needed sooner, again whenever
-a chunk is released. Updated chunks are written back as soon as their update is done; consumed gradients
-are dropped without being written.
+submitted update's chunks first, in order), never a pinned one, and writes dirty ones back first (and
+waits for a write-back rather than evict a chunk needed sooner). The cache loads ahead in that order, a few
+chunks per I/O thread, and only what is sure to stay until its use, again whenever a chunk is released or
+written. Updated chunks are written back as soon as their update is done; consumed gradients are dropped
+without being written. So a step moves close to the least its schedule allows through the cache
+(:func:`megatrain_lightning.planner.plan.least_disk_traffic`).
 
 Because the unit is a chunk, the RAM the hot paths need is a few chunks per thread whatever the block
 size. Pinning a range that spans several chunks (a whole block, for checkpoints and loading) gathers it
@@ -43,6 +45,9 @@ from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 _STALL_TIMEOUT_S = 120.0
+# Chunks each I/O thread may have read ahead and not yet used: enough to keep the disk busy; more would
+# evict what the cache keeps for later uses earlier than a demand would (a read per chunk per step).
+READ_AHEAD_CHUNKS = 2
 
 
 class DiskStore(HostStore):
@@ -71,10 +76,13 @@ class DiskStore(HostStore):
         self._on_disk: set[Key] = set()  # regions holding data (others read as zeros)
         self._chunks = [self.spans(b) for b in range(len(blocks))]
         self._future: dict[tuple[int, str], int] = {}  # (block, kind) -> rank of its next predicted use
-        self._ahead = 0  # how far into ``_future`` everything on disk is cached (or was, when predicted)
+        self._predicted: list[tuple[int, str]] = []  # ``_future``'s keys, soonest first
+        self._ahead = 0  # how far into ``_predicted`` everything on disk is cached (or was, when predicted)
+        self._ahead_bytes = 0  # the cache room ``_predicted[:_ahead]`` was counted to need
         # Needed before anything the trace predicts (submitted updates), in order of submission.
         self._claimed: dict[Key, int] = {}
         self._claims = itertools.count()
+        self._demands_waiting = 0  # threads waiting for cache room
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
         # A failed read, read ahead or not: this run stops at its next pin (the files are whole: the next
         # run reads again).
@@ -204,6 +212,7 @@ class DiskStore(HostStore):
             entries = [self._entries[key] for key in keys]
             for key, entry in zip(keys, entries, strict=True):
                 entry.holders.append(me)
+                entry.ahead = False
                 if key not in kept:
                     self._claimed.pop(key, None)
         try:
@@ -264,7 +273,8 @@ class DiskStore(HostStore):
             for rank, (block, kinds) in enumerate(future):
                 for kind in kinds:
                     self._future.setdefault((block, kind), rank)
-            self._ahead = 0
+            self._predicted = list(self._future)
+            self._ahead = self._ahead_bytes = 0
             self._load_ahead()
 
     def claim(self, block: int, kinds: Iterable[str]) -> None:
@@ -282,6 +292,12 @@ class DiskStore(HostStore):
             for key, entry in list(self._entries.items()):
                 if failed(entry.ready) and not entry.pins:
                     self._evict(key, entry)
+
+    def stored_bytes(self, kind: str) -> int:
+        """What reading (or writing) all of ``kind`` moves: its chunks in whole pages."""
+        return sum(
+            self._size((b, kind, c)) for b, spans in enumerate(self._chunks) for c in range(len(spans))
+        )
 
     def release_all_but(self, *kinds: str) -> None:
         """Nothing to free at once: other kinds live in the block files until the store closes, and in a
@@ -309,23 +325,53 @@ class DiskStore(HostStore):
     # -- cache internals (lock held) --
 
     def _load_ahead(self) -> None:
-        """Load what is needed next, in rank order (claims, then the trace's predictions), while the cache
-        has room that nothing needed sooner occupies."""
+        """Load what is needed next, in rank order (claims, then the trace's predictions), while fewer than
+        ``READ_AHEAD_CHUNKS`` per I/O thread wait unused and everything needed up to the chunk fits in the
+        cache beside what is pinned: a chunk read ahead then stays until its use (whatever the cache evicts
+        meanwhile is needed later), room stays for the sooner chunks that have no data on disk yet
+        (gradient sums) or are not read yet, and what the cache keeps for later uses (the weights for the
+        next pass, optimizer state for the next step) is evicted no earlier than a demand would."""
+        if self._demands_waiting:
+            return
+        room, ahead = self._arena.capacity, 0
+        for key, entry in self._entries.items():
+            room -= entry.size if entry.pins and key not in self._claimed else 0
+            ahead += entry.size if entry.ahead else 0
+        window = READ_AHEAD_CHUNKS * self.io.threads * pages(self.io.chunk_bytes)
+
+        def fetch(key: Key) -> bool:
+            """Read ``key`` ahead if it is on disk and not cached, evicting only what is needed later;
+            whether the walk goes on."""
+            nonlocal ahead
+            if key in self._entries or key not in self._on_disk:
+                return True
+            if ahead >= window or self._admit(key, demand=False) is None:
+                return False
+            ahead += self._size(key)
+            return True
+
         for key in sorted(self._claimed, key=self._claimed.__getitem__):
-            if key not in self._entries and key in self._on_disk and self._admit(key, demand=False) is None:
+            room -= self._size(key)
+            if room < 0 or not fetch(key):
                 return
-        predicted = list(self._future)
-        while self._ahead < len(predicted):
-            block, kind = predicted[self._ahead]
+        room -= self._ahead_bytes
+        while self._ahead < len(self._predicted):
+            block, kind = self._predicted[self._ahead]
+            counted = 0
             for chunk in range(len(self._chunks[block])):
                 key = (block, kind, chunk)
-                if (
-                    key not in self._entries
-                    and key in self._on_disk
-                    and self._admit(key, demand=False) is None
-                ):
+                if key in self._claimed:
+                    continue
+                counted += self._size(key)
+                if counted > room or not fetch(key):
                     return
+            room -= counted
+            self._ahead_bytes += counted
             self._ahead += 1
+
+    def _size(self, key: Key) -> int:
+        """The cache bytes of ``key``'s chunk (whole pages)."""
+        return pages(self._chunk_bytes(key)[1])
 
     def _chunk_bytes(self, key: Key) -> tuple[torch.dtype, int]:
         block, kind, chunk = key
@@ -346,7 +392,7 @@ class DiskStore(HostStore):
             self._arena.release(offset, size)
             return self._entries[key]
         raw = self._arena.region(offset, size)
-        entry = Entry(offset, raw, raw[:nbytes].view(dtype))
+        entry = Entry(offset, raw, raw[:nbytes].view(dtype), ahead=not demand)
         if key in self._on_disk:
             entry.ready = self._workers.submit(self._read, key, entry)
         else:
@@ -369,12 +415,13 @@ class DiskStore(HostStore):
         evicted: a wasted write); a demand writes dirty ones back, waits while other threads hold or move
         entries, and otherwise takes the least bad region."""
         deadline = time.monotonic() + _STALL_TIMEOUT_S
+        waited = False  # for a write-back: once, so that new write-backs cannot starve a demand
         while True:
             offset = self._arena.allocate(size)
             if offset is not None:
                 return offset
             window = best_window(
-                self._arena, self._entries, self._rank, size, rank, keep, clean_only=not demand
+                self._arena, self._entries, self._rank, size, rank, keep, not demand, writing_ok=not waited
             )
             if window is None and demand and not self._others_active():
                 window = best_window(self._arena, self._entries, self._rank, size, -NEVER, keep)
@@ -383,7 +430,7 @@ class DiskStore(HostStore):
             if window is not None:
                 start, victims = window
                 dirty = [(k, e) for k, e in victims if e.dirty]
-                if not dirty:
+                if not dirty and not any(e.busy for _, e in victims):
                     for victim in victims:
                         self._evict(*victim)
                     self._arena.allocate_at(start, size)
@@ -392,8 +439,13 @@ class DiskStore(HostStore):
                     self._write_back(*victim)  # evictable once written
             if not demand:
                 return None
-            if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                raise self._too_small()
+            waited = window is not None
+            self._demands_waiting += 1  # no read-ahead meanwhile: it could take the room this waits for
+            try:
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise self._too_small()
+            finally:
+                self._demands_waiting -= 1
 
     def _too_small(self) -> MemoryError:
         return MemoryError(
@@ -447,12 +499,15 @@ class DiskStore(HostStore):
                 self._failure = failure
             raise failure from err
         finally:
-            self._done()
+            self._done(wrote=True)
         TIMELINE.record("disk", start, time.perf_counter())
         self.stats.add(disk_write_s=time.perf_counter() - start, disk_write_bytes=entry.raw.numel())
 
-    def _done(self) -> None:
+    def _done(self, wrote: bool = False) -> None:
+        """An I/O finished: waiters may go on; a written entry may now leave for a chunk read ahead."""
         with self._cond:
+            if wrote:
+                self._load_ahead()
             self._cond.notify_all()
 
     def _open(self, kind: str) -> BlockFile:
