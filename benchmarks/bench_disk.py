@@ -19,7 +19,7 @@ before and just after its runs, in the same folder as the store.
   weights and batches) against the overlap part's disk-tier run.
 - ``traffic``: the I/O-bound run's model with a host cache of 0.14 and 0.77 of weights + optimizer state,
   fp32 and bf16-mixed with int4 moments, with and without accumulation: store bytes per step by file
-  against the least its schedule allows (``planner.plan.least_disk_traffic``).
+  against the least its schedule allows (``planner.traffic.least_disk_traffic``).
 
 Store I/O is timed by wrapping ``BlockFile.read``/``write`` in this process (the engine is not
 changed): the time during which at least one read (write, either) is in flight gives the rate
@@ -74,7 +74,7 @@ from bench_engine import (  # noqa: E402
 
 from megatrain_lightning import MegaTrainStrategy  # noqa: E402
 from megatrain_lightning.engine.blocks import discover_blocks  # noqa: E402
-from megatrain_lightning.planner.plan import DiskTraffic, least_disk_traffic  # noqa: E402
+from megatrain_lightning.planner.traffic import DiskTraffic, least_disk_traffic  # noqa: E402
 from megatrain_lightning.presets import llama_config  # noqa: E402
 from megatrain_lightning.store import sizing  # noqa: E402
 from megatrain_lightning.store.io import BlockFile, IOConfig  # noqa: E402
@@ -573,7 +573,7 @@ def store_rates(run: Run, reference: DiskReference, least: DiskTraffic) -> None:
     )
     print(
         f"useful: the least traffic of a step ({least.reads / GB:.3f} GB read, {least.writes / GB:.3f} GB "
-        f"written: planner.plan.least_disk_traffic) at disk speed / step time = {useful:.2f}; moved / "
+        f"written: planner.traffic.least_disk_traffic) at disk speed / step time = {useful:.2f}; moved / "
         f"least: read {read:.2f}x, write {write:.2f}x"
     )
 

@@ -235,10 +235,10 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
         Workload,
         activation_bytes,
         disk_traffic,
-        least_disk_traffic,
         plan_for,
     )
     from megatrain_lightning.planner.table import format_plan
+    from megatrain_lightning.planner.traffic import least_disk_traffic
     from megatrain_lightning.presets import llama_config
     from megatrain_lightning.store import sizing
 

@@ -1,5 +1,5 @@
 """The disk tier moves no more than 1.2x the least its schedule needs through a host cache a fraction of
-the store (:func:`megatrain_lightning.planner.plan.least_disk_traffic`: what Belady's optimal cache does on
+the store (:func:`megatrain_lightning.planner.traffic.least_disk_traffic`: what Belady's optimal cache does on
 the zigzag of forward, backward and updates), reads and writes each, per step."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from conftest import tiny_model, user_fit
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.planner.plan import least_disk_traffic
+from megatrain_lightning.planner.traffic import least_disk_traffic
 from megatrain_lightning.store import sizing
 
 CASES = [

@@ -1,22 +1,14 @@
-"""The disk tier of the store: every block's buffers live in files under ``offload_dir``; host RAM holds a
-bounded cache of them (``max_cpu_gb``).
+"""The disk tier of the store: every block's buffers live in files under ``offload_dir`` (:mod:`.files`);
+host RAM holds a bounded cache of them (``max_cpu_gb``), one arena region per (block, kind, chunk)
+(:mod:`.cache`, :mod:`.chunks`).
 
-Files (:mod:`.files`): one preallocated file per kind (``param.bin``, ``exp_avg.bin``, ...) with each
-chunk of each block at a page-aligned offset, a ``manifest.json`` describing the layout, and a lock so
-two runs cannot share the folder. Cache (:mod:`.cache`): regions of one host buffer
-(:mod:`megatrain_lightning.store.arena`), one per (block, kind, chunk), pinned while in use; eviction
-frees the region whose contents are needed farthest in the future (Belady: ``hint`` ranks each block's
-weights, gradients and optimizer state by the trace's next use of that kind, and ``claim`` puts a
-submitted update's chunks first, in order), never a pinned one, and writes dirty ones back first (and
-waits for a write-back rather than evict a chunk needed sooner). The cache loads ahead in that order, a few
-chunks per I/O thread, and only what is sure to stay until its use, again whenever a chunk is released or
-written. Updated chunks are written back as soon as their update is done; consumed gradients are dropped
-without being written. So a step moves close to the least its schedule allows through the cache
-(:func:`megatrain_lightning.planner.plan.least_disk_traffic`).
-
-Because the unit is a chunk, the RAM the hot paths need is a few chunks per thread whatever the block
-size. Pinning a range that spans several chunks (a whole block, for checkpoints and loading) gathers it
-into a buffer of its own outside the cache, and scatters it back when written.
+Eviction is Belady's rule: ``hint`` ranks each block's weights, gradients and optimizer state by the
+trace's next use of that kind, ``claim`` puts a submitted update's chunks first; pinned chunks stay, dirty
+ones are written back first. The cache loads ahead in that order, a few chunks per I/O thread, and only
+what is sure to stay until its use. Updated chunks are written back as soon as their update is done;
+consumed gradients are dropped unwritten (and their disk space given back). So a step moves close to the
+least its schedule allows (:func:`megatrain_lightning.planner.traffic.least_disk_traffic`), and because the
+unit is a chunk the RAM the hot paths need is a few chunks per thread whatever the block size.
 """
 
 from __future__ import annotations
@@ -28,29 +20,28 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
 from megatrain_lightning.engine.futures import fresh_copy, result_of
+from megatrain_lightning.engine.threads import worker_pool
 from megatrain_lightning.store.arena import Arena, whole_pages_in
 from megatrain_lightning.store.cache import NEVER, Entry, Key, best_window, failed
+from megatrain_lightning.store.chunks import ChunkedSpans
 from megatrain_lightning.store.files import STORE_DIRNAME, StoreFiles, close_files, lock_directory
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.store.layout import Block
-from megatrain_lightning.store.memory import host_empty, pages
+from megatrain_lightning.store.memory import pages
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 _STALL_TIMEOUT_S = 120.0
-# Chunks each I/O thread may have read ahead and not yet used: enough to keep the disk busy; more would
-# evict what the cache keeps for later uses earlier than a demand would (a read per chunk per step).
-READ_AHEAD_CHUNKS = 2
+READ_AHEAD_CHUNKS = 2  # per I/O thread, unused: keeps the disk busy, evicts nothing kept for later uses
 
 
-class DiskStore(HostStore):
+class DiskStore(ChunkedSpans, HostStore):
     drops_discarded = True
 
     def __init__(
@@ -87,7 +78,7 @@ class DiskStore(HostStore):
         # A failed read, read ahead or not: this run stops at its next pin (the files are whole: the next
         # run reads again).
         self._read_failure: StoreIOError | None = None
-        self._workers = ThreadPoolExecutor(self.io.threads, thread_name_prefix="megatrain-io")
+        self._workers = worker_pool(self.io.threads, "megatrain-io")
         self._files = StoreFiles(self.directory, self.io, blocks, self._chunks)
         for kind in kinds:
             self._open(kind)
@@ -144,53 +135,6 @@ class DiskStore(HostStore):
             yield {
                 kind: self._part(block, kind, chunk, span, buf) for kind, buf in zip(kinds, bufs, strict=True)
             }
-
-    def _chunks_in(self, block: int, span: tuple[int, int] | None) -> list[int]:
-        """The chunks of ``block`` that ``span`` (``None``: all of it) overlaps; an empty span, the one it
-        is in."""
-        spans = self._chunks[block]
-        if span is None:
-            return list(range(len(spans)))
-        start, stop = span
-        first = min(start // self.chunk_numel, len(spans) - 1)
-        last = max(first, min(-(-stop // self.chunk_numel), len(spans)) - 1)
-        return list(range(first, last + 1))
-
-    def _part(self, block: int, kind: str, chunk: int, span: tuple[int, int] | None, buf: Tensor) -> Tensor:
-        """The part of ``kind``'s cached ``chunk`` that block elements ``span`` own."""
-        if span is None:
-            return buf
-        origin = self.kind_span(block, kind, self._chunks[block][chunk])[0]
-        start, stop = self.kind_span(block, kind, span)
-        return buf[start - origin : stop - origin]
-
-    def _overlaps(
-        self, block: int, kind: str, span: tuple[int, int] | None
-    ) -> Iterator[tuple[int, slice, slice]]:
-        """Per chunk that ``span`` overlaps: the chunk, and the overlap as slices of the span's ``kind``
-        range and of the chunk's."""
-        start, stop = self.kind_span(block, kind, span)
-        for chunk in self._chunks_in(block, span):
-            lo, hi = self.kind_span(block, kind, self._chunks[block][chunk])
-            a, b = max(lo, start), min(hi, stop)
-            if a < b:
-                yield chunk, slice(a - start, b - start), slice(a - lo, b - lo)
-
-    def _gather(self, block: int, kinds: list[str], span: tuple[int, int] | None) -> dict[str, Tensor]:
-        flats = {}
-        for kind in kinds:
-            start, stop = self.kind_span(block, kind, span)
-            flat = flats[kind] = host_empty(stop - start, self.layout(block, kind)[0])
-            for chunk, mine, theirs in self._overlaps(block, kind, span):
-                with self._pinned_keys([(block, kind, chunk)], False) as (buf,):
-                    flat[mine].copy_(buf[theirs])
-        return flats
-
-    def _scatter(self, block: int, flats: dict[str, Tensor], span: tuple[int, int] | None) -> None:
-        for kind, flat in flats.items():
-            for chunk, mine, theirs in self._overlaps(block, kind, span):
-                with self._pinned_keys([(block, kind, chunk)], True) as (buf,):
-                    buf[theirs].copy_(flat[mine])
 
     @contextlib.contextmanager
     def _pinned_keys(self, keys: list[Key], write: bool) -> Iterator[list[Tensor]]:
