@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -104,12 +106,18 @@ class BlockFile:
 
 
 def _fallocate(fd: int, mode: int, offset: int, nbytes: int) -> int:
+    libc_fallocate = _libc_fallocate()
+    return -1 if libc_fallocate is None else libc_fallocate(fd, mode, offset, nbytes)
+
+
+@functools.cache
+def _libc_fallocate() -> Callable[..., int] | None:
     try:
         libc_fallocate = ctypes.CDLL(None, use_errno=True).fallocate
     except (AttributeError, OSError):  # not Linux
-        return -1
+        return None
     libc_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return libc_fallocate(fd, mode, offset, nbytes)
+    return libc_fallocate
 
 
 def io_error(err: OSError, path: str, what: str) -> StoreIOError:
