@@ -174,7 +174,7 @@ def test_a_compressed_checkpoint_opens_with_decoded_moments(trained, tmp_path):
 
 
 def test_open_checkpoint_refuses_what_does_not_fit_in_ram(trained, monkeypatch):
-    monkeypatch.setattr(megatrain_lightning.serialization.checkpoint, "available_ram_bytes", lambda: 1000)
+    monkeypatch.setattr(megatrain_lightning.serialization.single_file, "available_ram_bytes", lambda: 1000)
     with pytest.raises(CheckpointError, match="megatrain export"):
         open_checkpoint(trained["megatrain"][1])
 
