@@ -59,10 +59,9 @@ from megatrain_lightning.serialization.safetensors_io import (
 )
 from megatrain_lightning.store.io import StoreIOError
 from megatrain_lightning.store.preflight import (
-    DISK_MARGIN,
-    DISK_MARGIN_BYTES,
     free_disk_bytes,
     missing_dirs,
+    with_margin,
 )
 
 README = """This directory is a megatrain checkpoint: resume it with `Trainer(strategy="megatrain")` and
@@ -316,7 +315,7 @@ def check_free_space(path: str, need_bytes: int) -> None:
     """
     missing = missing_dirs(path)  # the save creates these; the disk is that of the folder holding them
     free = free_disk_bytes(os.path.dirname(missing[-1]) if missing else path)
-    want = int(need_bytes * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
+    want = with_margin(need_bytes)
     if free < want:
         raise CheckpointIOError(
             errno.ENOSPC,

@@ -73,8 +73,13 @@ def remove_empty_dirs(dirs: list[str]) -> None:
             return
 
 
+def with_margin(need_bytes: int) -> int:
+    """The free disk space to ask for ``need_bytes`` of files: filesystems round up, other files grow."""
+    return int(need_bytes * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
+
+
 def check_disk_space(path: str, need_bytes: int) -> None:
-    want = int(need_bytes * (1 + DISK_MARGIN)) + DISK_MARGIN_BYTES
+    want = with_margin(need_bytes)
     free = free_disk_bytes(path)
     if free < want:
         raise MisconfigurationException(
