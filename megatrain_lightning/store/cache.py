@@ -9,7 +9,7 @@ with its lock held.
 
 from __future__ import annotations
 
-import itertools
+import collections
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,10 +32,10 @@ class Entry:
     ready: Future | None = None  # the load from disk
     writing: Future | None = None  # a write-back in flight
     ahead: bool = False  # read ahead, not pinned since
+    size: int = field(init=False)  # bytes of ``raw`` (read on every eviction choice: a plain int)
 
-    @property
-    def size(self) -> int:
-        return self.raw.numel()
+    def __post_init__(self) -> None:
+        self.size = self.raw.numel()
 
     @property
     def pins(self) -> int:
@@ -68,48 +68,68 @@ def best_window(
     start and the entries in it; ``None`` if every range holds an entry that may not leave: pinned,
     loading, in ``keep``, dirty when ``clean_only``, or needed no later than ``rank``. An entry being
     written back may if ``writing_ok``: the caller waits for the write rather than evict something
-    needed sooner."""
+    needed sooner.
+
+    Candidate ranges start where a gap or an entry starts. One pass slides the range over them (its end
+    only moves forward), keeping the entries it covers as counts and a deque of their soonest uses: this
+    runs on every admission to a full cache, so it is linear in the entries, not in entries x range."""
     segments = sorted(
-        [(start, end, None) for start, end in arena.gaps()]
-        + [(e.offset, e.offset + e.size, (k, e)) for k, e in entries.items() if e.size],
+        [(start, 0, None) for start, _ in arena.gaps()]
+        + [(e.offset, e.size, (k, e)) for k, e in entries.items() if e.size],
         key=lambda segment: segment[0],
     )
+    # Per segment: (held, dirty, size, next use); a gap is free room.
+    facts = [
+        (False, False, 0, NEVER)
+        if item is None
+        else _facts(*item, rank_of, rank, keep, clean_only, writing_ok)
+        for _, _, item in segments
+    ]
     best, best_score = None, None
-    for i, (start, _, _) in enumerate(segments):
-        if start + size > arena.capacity:
+    held = dirty = covered = 0  # over segments[first:last], the range's
+    soonest: collections.deque[int] = collections.deque()  # indices in the range, their uses increasing
+    last = 0
+    for first, (start, _, _) in enumerate(segments):
+        end = start + size
+        if end > arena.capacity:
             break
-        victims = _evictable_from(segments, i, start + size, rank_of, rank, keep, clean_only, writing_ok)
-        if victims is None:
-            continue
-        soonest = min((rank_of(k) for k, _ in victims), default=NEVER)
-        clean = not any(e.dirty for _, e in victims)
-        score = (soonest, clean, -sum(e.size for _, e in victims))
-        if best_score is None or score > best_score:
-            best, best_score = (start, victims), score
-    return best
+        while last < len(segments) and segments[last][0] < end:
+            is_held, is_dirty, nbytes, use = facts[last]
+            held += is_held
+            dirty += is_dirty
+            covered += nbytes
+            while soonest and facts[soonest[-1]][3] >= use:
+                soonest.pop()
+            soonest.append(last)
+            last += 1
+        if not held:
+            score = (facts[soonest[0]][3] if soonest else NEVER, not dirty, -covered)
+            if best_score is None or score > best_score:
+                best, best_score = (start, first, last), score
+        if first < last:  # the range moves past this segment
+            is_held, is_dirty, nbytes, _ = facts[first]
+            held -= is_held
+            dirty -= is_dirty
+            covered -= nbytes
+            if soonest[0] == first:
+                soonest.popleft()
+    if best is None:
+        return None
+    start, first, last = best
+    return start, [item for _, _, item in segments[first:last] if item is not None]
 
 
-def _evictable_from(
-    segments: list,
-    first: int,
-    end: int,
+def _facts(
+    key: Key,
+    entry: Entry,
     rank_of: Callable[[Key], float],
     rank: float,
     keep: frozenset[Key],
     clean_only: bool,
     writing_ok: bool,
-) -> list[tuple[Key, Entry]] | None:
-    """The entries among ``segments[first:]`` that start before ``end``, or ``None`` if one may not leave."""
-    victims = []
-    for start, _, item in itertools.islice(segments, first, None):
-        if start >= end:
-            break
-        if item is None:
-            continue
-        key, entry = item
-        held = entry.pins or (entry.busy if not writing_ok else entry.loading) or key in keep
-        held = held or (clean_only and entry.dirty)
-        if held or rank_of(key) <= rank:
-            return None
-        victims.append(item)
-    return victims
+) -> tuple[bool, bool, int, float]:
+    """Whether ``entry`` may not leave, whether it is dirty, its size and its next use."""
+    use = rank_of(key)
+    held = use <= rank or key in keep or bool(entry.holders) or (clean_only and entry.dirty)
+    held = held or (entry.busy if not writing_ok else entry.loading)
+    return held, entry.dirty, entry.size, use

@@ -14,15 +14,15 @@ unit is a chunk the RAM the hot paths need is a few chunks per thread whatever t
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from megatrain_lightning.engine.futures import fresh_copy, result_of
 from megatrain_lightning.engine.threads import worker_pool
@@ -30,18 +30,18 @@ from megatrain_lightning.store.arena import Arena, whole_pages_in
 from megatrain_lightning.store.cache import NEVER, Entry, Key, best_window, failed
 from megatrain_lightning.store.chunks import ChunkedSpans
 from megatrain_lightning.store.files import STORE_DIRNAME, StoreFiles, close_files, lock_directory
-from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.host import HostStore, Span
 from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError, io_error
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import pages
+from megatrain_lightning.store.read_ahead import ReadAhead
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 _STALL_TIMEOUT_S = 120.0
-READ_AHEAD_CHUNKS = 2  # per I/O thread, unused: keeps the disk busy, evicts nothing kept for later uses
 
 
-class DiskStore(ChunkedSpans, HostStore):
+class DiskStore(ChunkedSpans, ReadAhead, HostStore):
     drops_discarded = True
 
     def __init__(
@@ -66,13 +66,8 @@ class DiskStore(ChunkedSpans, HostStore):
         self._entries: dict[Key, Entry] = {}
         self._on_disk: set[Key] = set()  # regions holding data (others read as zeros)
         self._chunks = [self.spans(b) for b in range(len(blocks))]
-        self._future: dict[tuple[int, str], int] = {}  # (block, kind) -> rank of its next predicted use
-        self._predicted: list[tuple[int, str]] = []  # ``_future``'s keys, soonest first
-        self._ahead = 0  # how far into ``_predicted`` everything on disk is cached (or was, when predicted)
-        self._ahead_bytes = 0  # the cache room ``_predicted[:_ahead]`` was counted to need
-        # Needed before anything the trace predicts (submitted updates), in order of submission.
-        self._claimed: dict[Key, int] = {}
-        self._claims = itertools.count()
+        self._chunk_sizes: dict[Key, tuple[torch.dtype, int]] = {}
+        self._start_ranking()
         self._demands_waiting = 0  # threads waiting for cache room
         self._failure: StoreIOError | None = None  # a failed write-back: the store is no longer whole
         # A failed read, read ahead or not: this run stops at its next pin (the files are whole: the next
@@ -101,8 +96,17 @@ class DiskStore(ChunkedSpans, HostStore):
             if any(entry.pins for entry in self._entries.values()):
                 raise RuntimeError("megatrain: the host cache cannot be resized while blocks are in use")
             self._entries.clear()
+            self._unused_ahead = 0
             self._arena = None  # freed (and unpinned) before the new one is allocated
             self._arena = Arena(cache_bytes, self.pin_memory)
+
+    @override
+    def define_kind(
+        self, kind: str, dtype: torch.dtype, numel: Callable[[Block], int], span: Span | None = None
+    ) -> None:
+        with self._cond:
+            super().define_kind(kind, dtype, numel, span)
+            self._chunk_sizes.clear()  # a kind may change its layout (a new optimizer over the store)
 
     # -- the store API --
 
@@ -156,7 +160,7 @@ class DiskStore(ChunkedSpans, HostStore):
             entries = [self._entries[key] for key in keys]
             for key, entry in zip(keys, entries, strict=True):
                 entry.holders.append(me)
-                entry.ahead = False
+                self._used(entry)
                 if key not in kept:
                     self._claimed.pop(key, None)
         try:
@@ -209,27 +213,6 @@ class DiskStore(ChunkedSpans, HostStore):
                     entry.dirty = False
             self._cond.notify_all()
 
-    def hint(self, future: Iterable[tuple[int, tuple[str, ...]]]) -> None:
-        """Rank every (block, kind) by its next predicted use; load ahead in that order while the cache
-        has room that nothing needed sooner occupies."""
-        with self._cond:
-            self._future = {}
-            for rank, (block, kinds) in enumerate(future):
-                for kind in kinds:
-                    self._future.setdefault((block, kind), rank)
-            self._predicted = list(self._future)
-            self._ahead = self._ahead_bytes = 0
-            self._load_ahead()
-
-    def claim(self, block: int, kinds: Iterable[str]) -> None:
-        """``kinds`` of ``block`` are pinned next, chunk by chunk, before anything the trace predicts (a
-        submitted update): load them as the cache allows and keep them until then."""
-        with self._cond:
-            for chunk in range(len(self._chunks[block])):
-                for kind in kinds:
-                    self._claimed[(block, kind, chunk)] = self._claim_rank()
-            self._load_ahead()
-
     def forget_read_failures(self) -> None:
         with self._cond:
             self._read_failure = None
@@ -268,60 +251,19 @@ class DiskStore(ChunkedSpans, HostStore):
 
     # -- cache internals (lock held) --
 
-    def _load_ahead(self) -> None:
-        """Load what is needed next, in rank order (claims, then the trace's predictions), while fewer than
-        ``READ_AHEAD_CHUNKS`` per I/O thread wait unused and everything needed up to the chunk fits in the
-        cache beside what is pinned: a chunk read ahead then stays until its use (whatever the cache evicts
-        meanwhile is needed later), room stays for the sooner chunks that have no data on disk yet
-        (gradient sums) or are not read yet, and what the cache keeps for later uses (the weights for the
-        next pass, optimizer state for the next step) is evicted no earlier than a demand would."""
-        if self._demands_waiting:
-            return
-        room, ahead = self._arena.capacity, 0
-        for key, entry in self._entries.items():
-            room -= entry.size if entry.pins and key not in self._claimed else 0
-            ahead += entry.size if entry.ahead else 0
-        window = READ_AHEAD_CHUNKS * self.io.threads * pages(self.io.chunk_bytes)
-
-        def fetch(key: Key) -> bool:
-            """Read ``key`` ahead if it is on disk and not cached, evicting only what is needed later;
-            whether the walk goes on."""
-            nonlocal ahead
-            if key in self._entries or key not in self._on_disk:
-                return True
-            if ahead >= window or self._admit(key, demand=False) is None:
-                return False
-            ahead += self._size(key)
-            return True
-
-        for key in sorted(self._claimed, key=self._claimed.__getitem__):
-            room -= self._size(key)
-            if room < 0 or not fetch(key):
-                return
-        room -= self._ahead_bytes
-        while self._ahead < len(self._predicted):
-            block, kind = self._predicted[self._ahead]
-            counted = 0
-            for chunk in range(len(self._chunks[block])):
-                key = (block, kind, chunk)
-                if key in self._claimed:
-                    continue
-                counted += self._size(key)
-                if counted > room or not fetch(key):
-                    return
-            room -= counted
-            self._ahead_bytes += counted
-            self._ahead += 1
-
     def _size(self, key: Key) -> int:
         """The cache bytes of ``key``'s chunk (whole pages)."""
         return pages(self._chunk_bytes(key)[1])
 
     def _chunk_bytes(self, key: Key) -> tuple[torch.dtype, int]:
-        block, kind, chunk = key
-        start, stop = self.kind_span(block, kind, self._chunks[block][chunk])
-        dtype = self.layout(block, kind)[0]
-        return dtype, (stop - start) * dtype.itemsize
+        """``key``'s chunk's dtype and bytes (asked on every walk of the read-ahead: computed once)."""
+        known = self._chunk_sizes.get(key)
+        if known is None:
+            block, kind, chunk = key
+            start, stop = self.kind_span(block, kind, self._chunks[block][chunk])
+            dtype = self.layout(block, kind)[0]
+            known = self._chunk_sizes[key] = dtype, (stop - start) * dtype.itemsize
+        return known
 
     def _admit(self, key: Key, demand: bool, keep: frozenset[Key] = frozenset()) -> Entry | None:
         """A cache entry for ``key``, loading it from disk if it has data there. For a prefetch
@@ -337,6 +279,7 @@ class DiskStore(ChunkedSpans, HostStore):
             return self._entries[key]
         raw = self._arena.region(offset, size)
         entry = Entry(offset, raw, raw[:nbytes].view(dtype), ahead=not demand)
+        self._unused_ahead += size if entry.ahead else 0
         if key in self._on_disk:
             entry.ready = self._workers.submit(self._read, key, entry)
         else:
@@ -344,13 +287,6 @@ class DiskStore(ChunkedSpans, HostStore):
         self._entries[key] = entry
         self.stats.peak_host_cache_bytes = max(self.stats.peak_host_cache_bytes, self._arena.used)
         return entry
-
-    def _rank(self, key: Key) -> float:
-        claimed = self._claimed.get(key)
-        return claimed if claimed is not None else self._future.get(key[:2], NEVER)
-
-    def _claim_rank(self) -> int:
-        return next(self._claims) - (1 << 62)  # below every trace position, in order of claiming (exact ints)
 
     def _make_room(self, size: int, rank: float, demand: bool, keep: frozenset[Key]) -> int | None:
         """The offset of a free region of ``size`` bytes, evicting (Belady) to make one, but only what is
@@ -403,6 +339,7 @@ class DiskStore(ChunkedSpans, HostStore):
         return any(e.busy or any(h != me for h in e.holders) for e in self._entries.values())
 
     def _evict(self, key: Key, entry: Entry) -> None:
+        self._used(entry)
         del self._entries[key]
         self._arena.release(entry.offset, entry.size)
 
