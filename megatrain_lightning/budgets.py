@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
-from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels
+from megatrain_lightning.engine.slots import SlotLayout, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
@@ -74,19 +75,27 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     folders created for ``offload_dir`` (removed with the store)."""
     dtype = strategy.precision_plugin.compute_dtype
     mixed = strategy.precision_plugin.precision == "bf16-mixed"
-    auto = _plan(strategy, blocks, dtype, mixed)
+    layout = SlotLayout(blocks, dtype, mixed)
+    auto = _plan(strategy, blocks, dtype, layout.block_bytes if mixed else ())
     if strategy.max_vram_gb is not None:
-        num_slots = sizing.num_slots_for(strategy.max_vram_gb, SlotLayout(blocks, dtype, mixed).nbytes)
+        pools = slot_pools(layout.block_bytes, strategy.max_vram_gb * _GB)
+        if not pools:
+            raise MisconfigurationException(
+                f"`max_vram_gb={strategy.max_vram_gb}` is smaller than the largest block "
+                f"({layout.nbytes / _GB:.3g} GB on the device); raise it to at least that."
+            )
+    elif auto is not None:  # the planner's pools (its block sizes are the layout's); at least the largest
+        pools = auto.slot_pools or slot_pools(layout.block_bytes, layout.nbytes)
     else:
-        num_slots = auto.num_slots if auto is not None else len(blocks)
-    num_slots = max(1, min(num_slots, len(blocks)))
+        pools = slot_pools(layout.block_bytes)
+    num_slots = sum(count for _, count in pools)
     offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, auto)
     auto_prefetch = strategy.prefetch_depth == "auto"
     config = EngineConfig(
         device=strategy.root_device,
         compute_dtype=dtype,
         mixed_precision=mixed,
-        num_slots=num_slots,
+        slot_pools=pools,
         prefetch_depth=max(num_slots - 1, 1) if auto_prefetch else strategy.prefetch_depth,
         activation_checkpointing=strategy.activation_checkpointing,
         pin_memory=strategy.root_device.type == "cuda",
@@ -100,14 +109,14 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
 
 
 def _plan(
-    strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype, mixed: bool
+    strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype, mixed_bytes: Sequence[int]
 ) -> Settings | None:
-    """The planner's settings for this model on this machine (``megatrain plan`` prints the same)."""
+    """The planner's settings for this model on this machine (``megatrain plan`` prints the same);
+    ``mixed_bytes``: each block's bytes on the device under ``bf16-mixed``."""
     found = hf_model(strategy.lightning_module)
     if found is None:
         return None
-    fp32_numels = mixed_fp32_numels(blocks) if mixed else ()
-    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config, fp32_numels)
+    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config, mixed_bytes)
     workload = Workload(
         compute_dtype="fp32" if dtype == torch.float32 else "bf16",
         activation_checkpointing=strategy.activation_checkpointing,
