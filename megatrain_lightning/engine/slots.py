@@ -67,10 +67,11 @@ def slot_pools(block_bytes: Sequence[int], budget: float | None = None) -> Pools
     """The device slots ``budget`` bytes buy for blocks of ``block_bytes`` each (a block fits any slot at
     least its size); none when the budget is below the largest block.
 
-    ``None``, or a budget that holds every block: a slot per block, so nothing is paged after the first
-    step. Otherwise the ``OVERLAP`` largest blocks get a slot each (one computes while the next one loads,
-    whatever their sizes), then each next slot goes to the size whose blocks have the smallest share of
-    slots (the larger size on a tie), as long as the budget left holds it.
+    ``None``, or a budget that holds every block: a slot per block, so every block stays resident (copied
+    again only once its weights are updated). Otherwise the ``OVERLAP`` largest blocks get a slot each
+    (one computes while the next one loads, whatever their sizes), then each next slot goes to the size
+    whose blocks have the smallest share of slots (the larger size on a tie), as long as the budget left
+    holds it.
     """
     sizes = collections.Counter(block_bytes)
     if budget is None or budget >= sum(block_bytes):

@@ -22,8 +22,8 @@ LEGEND = (
     "  tier) or their cache (disk tier), = cache GB, plus the gradient offload's two page-locked staging",
     "  buffers (the largest block in fp32 each). disk GB: the disk tier's files.",
     "fits: within the machine less the reserve; for megatrain, at its least (slots for the 2 largest blocks,",
-    "  the blocks in use).",
-    "  A row that does not fit shows that least need. tier, slots, prefetch, cache GB: megatrain's settings.",
+    "  the blocks in use). A row that does not fit shows that least need. tier, slots, prefetch, cache GB:",
+    "  megatrain's settings.",
     "step >= s: a lower bound on one optimizer step, set by the slowest of compute, link and disk (bound).",
 )
 
