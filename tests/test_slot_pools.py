@@ -43,7 +43,7 @@ class Layer(nn.Module):
         self.w = nn.Linear(width, width, bias=False)
 
 
-def _pager(widths: list[int], slots: dict[int, int]) -> Pager:
+def _pager(widths: list[int], slots: dict[int, int], depth: int = 0) -> Pager:
     """A pager over blocks of ``width x width`` fp32 weights filled with their index; ``slots``: how many
     slots of each width's block size."""
     blocks = discover_blocks(nn.Sequential(*[Layer(w) for w in widths]), block_classes=[Layer])
@@ -52,7 +52,7 @@ def _pager(widths: list[int], slots: dict[int, int]) -> Pager:
         store.read(b, "param").fill_(b)
     layout = SlotLayout(store.blocks, torch.float32)
     pools = [(4 * width * width, count) for width, count in slots.items()]
-    return Pager(store, torch.device("cpu"), layout, pools, 0, EngineStats())
+    return Pager(store, torch.device("cpu"), layout, pools, depth, EngineStats())
 
 
 def _run_pass(pager: Pager, order: list[int]) -> list[float]:
@@ -87,6 +87,21 @@ def test_belady_evicts_across_the_pools_a_block_fits():
     # The replay starts with 0 in the 4 KB slot and 2 in the 1 KB slot. Block 1 evicts 0 (needed last,
     # after 2) from the large slot; 2, 1 and 2 hit; 0 loads again into the large slot: two loads.
     assert pager.stats.h2d_bytes - before == 1024 + 4096
+
+
+def test_prefetch_fills_a_pool_past_a_block_that_must_wait_for_another():
+    pager = _pager([32, 32, 16], {32: 1, 16: 1}, depth=2)
+    _run_pass(pager, [0, 1, 2])
+    for s in pager._slots:  # empty the cache so the replay must fetch everything again
+        s.block = None
+    pager._resident.clear()
+    pager.begin_pass("train")
+    pager.acquire(0, backward=False)
+    resident = set(pager._resident)
+    pager.release(0)
+    # Block 1 needs the large slot that 0 holds; 2, needed after it, was fetched ahead into the small one.
+    assert resident == {0, 2}
+    assert _run_pass(pager, [1, 2]) == [1, 2]
 
 
 class H2DPerStep(L.Callback):
