@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
-from megatrain_lightning.engine.slots import SlotLayout, slot_pools
+from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
@@ -76,18 +75,19 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     dtype = strategy.precision_plugin.compute_dtype
     mixed = strategy.precision_plugin.precision == "bf16-mixed"
     layout = SlotLayout(blocks, dtype, mixed)
-    auto = _plan(strategy, blocks, dtype, layout.block_bytes if mixed else ())
+    auto = _plan(strategy, blocks, dtype, mixed)
     if strategy.max_vram_gb is not None:
-        pools = slot_pools(layout.block_bytes, strategy.max_vram_gb * _GB)
-        if not pools:
-            raise MisconfigurationException(
-                f"`max_vram_gb={strategy.max_vram_gb}` is smaller than the largest block "
-                f"({layout.nbytes / _GB:.3g} GB on the device); raise it to at least that."
-            )
-    elif auto is not None:  # the planner's pools (its block sizes are the layout's); at least the largest
-        pools = auto.slot_pools or slot_pools(layout.block_bytes, layout.nbytes)
+        budget = strategy.max_vram_gb * _GB
+    elif auto is not None:  # the planner's budget, for at least the largest block
+        budget = max(auto.max_vram_gb * _GB, layout.nbytes)
     else:
-        pools = slot_pools(layout.block_bytes)
+        budget = None  # a slot per block
+    pools = slot_pools(layout.block_bytes, budget)
+    if not pools:
+        raise MisconfigurationException(
+            f"`max_vram_gb={strategy.max_vram_gb}` is smaller than the largest block "
+            f"({layout.nbytes / _GB:.3g} GB on the device); raise it to at least that."
+        )
     num_slots = sum(count for _, count in pools)
     offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, auto)
     auto_prefetch = strategy.prefetch_depth == "auto"
@@ -109,14 +109,14 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
 
 
 def _plan(
-    strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype, mixed_bytes: Sequence[int]
+    strategy: MegaTrainStrategy, blocks: list[Block], dtype: torch.dtype, mixed: bool
 ) -> Settings | None:
-    """The planner's settings for this model on this machine (``megatrain plan`` prints the same);
-    ``mixed_bytes``: each block's bytes on the device under ``bf16-mixed``."""
+    """The planner's settings for this model on this machine (``megatrain plan`` prints the same)."""
     found = hf_model(strategy.lightning_module)
     if found is None:
         return None
-    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config, mixed_bytes)
+    fp32_numels = mixed_fp32_numels(blocks) if mixed else ()
+    shape = ModelShape.from_blocks([b.numel for b in blocks], found[1].config, fp32_numels)
     workload = Workload(
         compute_dtype="fp32" if dtype == torch.float32 else "bf16",
         activation_checkpointing=strategy.activation_checkpointing,

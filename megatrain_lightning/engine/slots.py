@@ -54,10 +54,11 @@ def param_dtype(block: Block, index: int, compute_dtype: torch.dtype, mixed: boo
     return compute_dtype if all(_autocast_weight(b.owner, b.attr) for b in owners) else torch.float32
 
 
-def mixed_block_bytes(blocks: list[Block]) -> list[int]:
-    """Per block, its bytes on the device under ``bf16-mixed`` (what stays fp32 in fp32): the planner
-    sizes slots with them."""
-    return SlotLayout(blocks, torch.bfloat16, mixed=True).block_bytes
+def mixed_fp32_numels(blocks: list[Block]) -> list[int]:
+    """Per block, the elements (padding included) that stay fp32 on the device under ``bf16-mixed``: the
+    planner sizes slots with them."""
+    layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
+    return [sum(r.end - r.start for r in runs if r.dtype == torch.float32) for runs in layout.runs]
 
 
 Pools = tuple[tuple[int, int], ...]  # (slot bytes, number of slots) per size, largest first

@@ -47,7 +47,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.engine.slots import OVERLAP, Pools, mixed_block_bytes, slot_pools
+from megatrain_lightning.engine.slots import OVERLAP, Pools, mixed_fp32_numels, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.planner.traffic import least_disk_traffic
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
@@ -72,9 +72,9 @@ class ModelShape:
     mlp_width: int  # per token: the MLP's intermediate width (times the active experts for MoE)
     num_layers: int
     vocab_size: int
-    # Per block, its bytes on the device in a 2-byte compute dtype under mixed precision, where
-    # embeddings, norms and biases stay fp32 (engine/slots.py); empty: every parameter in that dtype.
-    mixed_bytes: tuple[int, ...] = ()
+    # Per block, the elements that stay fp32 on the device under mixed precision (embeddings, norms,
+    # biases: engine/slots.py); empty: none.
+    fp32_numels: tuple[int, ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -89,11 +89,12 @@ class ModelShape:
         return len(self.block_numels)
 
     def block_bytes(self, dtype_bytes: int) -> tuple[int, ...]:
-        """Each block's bytes on the device in a compute dtype of ``dtype_bytes`` (as the engine lays it
-        out: engine/slots.py)."""
-        if dtype_bytes < MASTER_BYTES and self.mixed_bytes:
-            return self.mixed_bytes
-        return tuple(n * dtype_bytes for n in self.block_numels)
+        """Each block's bytes on the device in a compute dtype of ``dtype_bytes``, its fp32-kept parameters
+        in fp32 when that dtype is narrower (the engine's layout may add a few hundred bytes of alignment
+        between runs of different dtypes: engine/slots.py)."""
+        kept = self.fp32_numels or (0,) * self.num_blocks
+        wide = max(dtype_bytes, int(MASTER_BYTES))
+        return tuple((n - k) * dtype_bytes + k * wide for n, k in zip(self.block_numels, kept, strict=True))
 
     @classmethod
     def from_module(cls, model: nn.Module, block_classes: Iterable[str | type] | None = None) -> ModelShape:
@@ -105,7 +106,7 @@ class ModelShape:
         if config is None:
             raise ValueError(f"{type(model).__name__} holds no Hugging Face config to plan activations from")
         blocks = discover_blocks(model, block_classes)
-        return cls.from_blocks([b.numel for b in blocks], config, mixed_block_bytes(blocks))
+        return cls.from_blocks([b.numel for b in blocks], config, mixed_fp32_numels(blocks))
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelShape:
@@ -116,9 +117,9 @@ class ModelShape:
 
     @classmethod
     def from_blocks(
-        cls, block_numels: Sequence[int], config: PretrainedConfig, mixed_bytes: Sequence[int] = ()
+        cls, block_numels: Sequence[int], config: PretrainedConfig, fp32_numels: Sequence[int] = ()
     ) -> ModelShape:
-        """From the engine's blocks (``[b.numel for b in blocks]``, and ``mixed_block_bytes(blocks)``) and
+        """From the engine's blocks (``[b.numel for b in blocks]``, and ``mixed_fp32_numels(blocks)``) and
         the model's (text) config; widths given per layer (Gemma-3n, Gemma-4) count at their largest."""
         config = config.get_text_config()
         hidden = config.hidden_size
@@ -138,7 +139,7 @@ class ModelShape:
             width,
             config.num_hidden_layers,
             config.vocab_size,
-            tuple(mixed_bytes),
+            tuple(fp32_numels),
         )
 
 
@@ -203,17 +204,18 @@ class Settings:
     """What megatrain would choose on the machine: the strategy's ``"auto"`` options."""
 
     tier: str  # "host": the store in RAM; "disk": the store under offload_dir, cached in RAM
-    slot_pools: Pools  # (slot bytes, count) per size: engine/slots.py
+    slot_pools: Pools  # (slot bytes, count) per size that the budget buys: engine/slots.py
     prefetch_depth: int
     cache_gb: float  # RAM holding the store and gradients (all of them on the host tier)
+    max_vram_gb: float  # the slots' budget: the GPU memory left beside the activations
 
     @property
     def num_slots(self) -> int:
         return sum(count for _, count in self.slot_pools)
 
     @property
-    def max_vram_gb(self) -> float:
-        """The slots' budget."""
+    def slot_gb(self) -> float:
+        """The GPU memory the slots take."""
         return sum(size * count for size, count in self.slot_pools) / GB
 
 
@@ -327,7 +329,8 @@ def _megatrain_row(
     n = shape.num_params
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
     staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
-    pools = slot_pools(block_bytes, vram - act)
+    budget = max(vram - act, 0.0)
+    pools = slot_pools(block_bytes, budget)
     num_slots, slots = sum(n for _, n in pools), sum(size * n for size, n in pools)
     gpu_need = sum(sorted(block_bytes, reverse=True)[:OVERLAP]) + act
     if store + staging <= ram:
@@ -349,7 +352,7 @@ def _megatrain_row(
         if tier == "disk"
         else 0.0
     )
-    settings = Settings(tier, pools, max(num_slots - 1, 1), cache / GB)
+    settings = Settings(tier, pools, max(num_slots - 1, 1), cache / GB, budget / GB)
     return _row(f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, settings)
 
 

@@ -93,7 +93,7 @@ def format_plan(plan: Plan) -> str:
         where = "in host RAM" if s.tier == "host" else f"on disk, {_gb(s.cache_gb)} GB cached in RAM"
         lines.append(
             f"recommended: {best.method} with the store {where}, {s.num_slots} slots "
-            f"({_gb(s.max_vram_gb)} GB; {_gb(best.gpu_gb)} GB on the GPU with activations), "
+            f"({_gb(s.slot_gb)} GB; {_gb(best.gpu_gb)} GB on the GPU with activations), "
             f"prefetch depth {s.prefetch_depth}"
         )
     return "\n".join(lines)
