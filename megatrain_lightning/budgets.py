@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.runtime import EngineConfig
-from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels
+from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
@@ -74,19 +74,28 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
     folders created for ``offload_dir`` (removed with the store)."""
     dtype = strategy.precision_plugin.compute_dtype
     mixed = strategy.precision_plugin.precision == "bf16-mixed"
+    layout = SlotLayout(blocks, dtype, mixed)
     auto = _plan(strategy, blocks, dtype, mixed)
     if strategy.max_vram_gb is not None:
-        num_slots = sizing.num_slots_for(strategy.max_vram_gb, SlotLayout(blocks, dtype, mixed).nbytes)
+        budget = strategy.max_vram_gb * _GB
+    elif auto is not None:  # the planner's budget, for at least the largest block
+        budget = max(auto.max_vram_gb * _GB, layout.nbytes)
     else:
-        num_slots = auto.num_slots if auto is not None else len(blocks)
-    num_slots = max(1, min(num_slots, len(blocks)))
+        budget = None  # a slot per block
+    pools = slot_pools(layout.block_bytes, budget)
+    if not pools:
+        raise MisconfigurationException(
+            f"`max_vram_gb={strategy.max_vram_gb}` is smaller than the largest block "
+            f"({layout.nbytes / _GB:.3g} GB on the device); raise it to at least that."
+        )
+    num_slots = sum(count for _, count in pools)
     offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, auto)
     auto_prefetch = strategy.prefetch_depth == "auto"
     config = EngineConfig(
         device=strategy.root_device,
         compute_dtype=dtype,
         mixed_precision=mixed,
-        num_slots=num_slots,
+        slot_pools=pools,
         prefetch_depth=max(num_slots - 1, 1) if auto_prefetch else strategy.prefetch_depth,
         activation_checkpointing=strategy.activation_checkpointing,
         pin_memory=strategy.root_device.type == "cuda",

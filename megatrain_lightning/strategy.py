@@ -67,10 +67,12 @@ def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
 
 class MegaTrainStrategy(SingleDeviceStrategy):
     """Train a model larger than device memory: weights and optimizer state live in host memory, blocks
-    stream through a fixed pool of device slots, gradients stream back, a CPU AdamW updates the weights.
+    stream through fixed pools of device slots (one per block size), gradients stream back, a CPU AdamW
+    updates the weights.
 
     Args:
-        max_vram_gb: device memory for parameter slots, in GB. ``None``: all of the device's free memory
+        max_vram_gb: device memory for parameter slots, in GB, shared out per block size (a slot per block
+            when it holds the model; ``engine/slots.py``). ``None``: all of the device's free memory
             minus a fifth for activations on CUDA, the whole model on CPU.
         max_cpu_gb: host memory for the disk tier's cache of the store, in GB (``None``: the store's size,
             at most half the available RAM). Never more than the available RAM.

@@ -102,8 +102,9 @@ def test_bf16_mixed_trains_bitwise_like_lightnings(model, plain, arch, variant, 
     embedding = module.get_input_embeddings()
     embedding.register_forward_hook(lambda m, args, out: embedded.append(out.dtype))
     run = user_fit(module, MegaTrainStrategy(**kwargs), steps=STEPS, **MIXED)
-    if variant == "two_slots_no_checkpointing":
-        assert run.trainer.strategy.engine.pager.num_slots == 2
+    if variant == "two_slots_no_checkpointing":  # the two largest blocks' budget: fewer slots than blocks
+        engine = run.trainer.strategy.engine
+        assert 2 <= engine.pager.num_slots < len(engine.blocks)
     assert_same_training(plain, run, loss_rtol=0, param_atol=0)
     assert embedded and set(embedded) == {torch.float32}
     bf16 = _bf16_names(model)

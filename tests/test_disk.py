@@ -176,7 +176,7 @@ MEMORY_SCRIPT = peak_rss_script(
     time.sleep(0.05)
     params = sum(p.numel() for p in module.parameters())
     print(json.dumps({"baseline": baseline, "peak": peak["rss"], "params": params,
-                      "slots": strategy.engine.pager.num_slots * strategy.engine.pager._slots[0].buf.nbytes,
+                      "slots": strategy.engine.pager.nbytes,
                       "cache_peak": strategy.stats.peak_host_cache_bytes}))
     """
 )

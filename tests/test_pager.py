@@ -35,7 +35,7 @@ def _store(blocks: int = 3) -> HostStore:
 def _pager(num_slots: int, depth: int = 0, blocks: int = 3) -> Pager:
     store = _store(blocks)
     layout = SlotLayout(store.blocks, torch.float32)
-    return Pager(store, torch.device("cpu"), layout, num_slots, depth, EngineStats())
+    return Pager(store, torch.device("cpu"), layout, [(layout.nbytes, num_slots)], depth, EngineStats())
 
 
 def _host_views() -> HostViews:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.engine.slots import SlotLayout
+from megatrain_lightning.engine.slots import RUN_ALIGN, SlotLayout
 from megatrain_lightning.planner.plan import (
     RESERVE,
     Machine,
@@ -29,10 +30,11 @@ GB = 1e9
 H, FF, L, V = 4096, 11008, 32, 32000
 LAYER = 4 * H * H + 3 * H * FF + 2 * H  # q, k, v, o; gate, up, down; two RMSNorms
 N_7B = L * LAYER + 2 * V * H + H  # layers, embedding and head, final norm
-# A bf16-mixed slot: the largest block on the device, the embedding in fp32 (a layer, its norms in fp32,
-# and the head are smaller).
-SLOT_7B = 4 * V * H
-assert max((LAYER - 2 * H) * 2 + 2 * H * 4, 2 * V * H) < SLOT_7B
+# Blocks on the device under bf16-mixed: the embedding in fp32, the head in bf16, a layer's matrices in
+# bf16 and its two norms in fp32, the final norm in fp32 (no run needs padding at these sizes).
+EMBED_7B, HEAD_7B, LAYER_7B, NORM_7B = 4 * V * H, 2 * V * H, (LAYER - 2 * H) * 2 + 2 * H * 4, 4 * H
+SLOT_7B = EMBED_7B  # the largest block on the device
+assert max(LAYER_7B, HEAD_7B) < SLOT_7B
 STAGING_7B = 2 * 4 * LAYER  # the gradient offload's two page-locked buffers, the largest block in fp32
 TOKENS = 4096
 # bf16 activations with per-block checkpointing: block inputs, one layer for the recompute, logits
@@ -67,8 +69,10 @@ def test_7b_footprints_by_hand():
         row = plan.row(f"megatrain {name}")
         # store (4 B master + state) and the 4 B/param gradient buffer, all in RAM, and the staging
         assert row.host_gb == pytest.approx(((4 + state_bytes + 4) * N_7B + STAGING_7B) / GB), name
-        # every block has a slot: 35 slots of the fp32 embedding's size, and the activations
-        assert row.gpu_gb == pytest.approx(((L + 3) * SLOT_7B + ACT_7B) / GB) and row.disk_gb == 0
+        # every block has a slot of its own size (a pool per size), and the activations
+        slots = EMBED_7B + HEAD_7B + L * LAYER_7B + NORM_7B
+        assert row.gpu_gb == pytest.approx((slots + ACT_7B) / GB) and row.disk_gb == 0
+        assert row.settings.slot_pools == ((EMBED_7B, 1), (LAYER_7B, L), (HEAD_7B, 1), (NORM_7B, 1))
         assert row.fits and row.settings.tier == "host"
         assert (row.settings.num_slots, row.settings.prefetch_depth) == (L + 3, L + 2)  # every block fits
     assert plan.row("megatrain none").host_gb == pytest.approx(107.81 + 1.62, abs=0.01)
@@ -85,7 +89,10 @@ def test_7b_on_a_small_gpu_pages_and_a_small_host_goes_to_disk():
     plan = plan_for("7b", Machine(vram_gb=12, ram_gb=64, disk_gb=1000, disk_gbps=5), "int8", workload)
     s = plan.settings
     act = activation_bytes(plan.model, 2048, 2)
-    assert s.num_slots == int((12 * GB * (1 - RESERVE) - act) // SLOT_7B) < L + 3
+    # The two largest blocks (the fp32 embedding, a layer) first, then a slot for each size whose share
+    # of slots is least, the head and the final norm, then as many layer slots as the rest holds.
+    layers = 1 + int((12 * GB * (1 - RESERVE) - act - EMBED_7B - LAYER_7B - HEAD_7B - NORM_7B) // LAYER_7B)
+    assert s.slot_pools == ((EMBED_7B, 1), (LAYER_7B, layers), (HEAD_7B, 1), (NORM_7B, 1)) and 1 < layers < L
     assert s.tier == "disk"  # 67.7 GB of store and gradients > 57.6 GB usable RAM
     row = plan.row("megatrain int8")
     assert row.disk_gb == pytest.approx((4 + 2 + 4 / 256 + 4 / 128 + 4) * N_7B / GB)
@@ -112,7 +119,9 @@ def test_auto_settings_fit_the_machine(model, machine):
     s = best.settings
     assert s.num_slots >= 1 and s.prefetch_depth <= max(s.num_slots - 1, 1)
     assert s.max_vram_gb + plan.activations_gb <= machine.vram_gb
-    assert s.max_vram_gb == pytest.approx(s.num_slots * plan.slot_gb)
+    sizes = Counter(plan.model.block_bytes(2))  # a pool per block size, at most a slot per block
+    assert all(count <= sizes[size] for size, count in s.slot_pools)
+    assert s.slot_gb <= s.max_vram_gb
     assert best.host_gb <= machine.ram_gb and s.cache_gb <= machine.ram_gb
     assert best.disk_gb <= machine.disk_gb
     if s.tier == "disk":  # the RAM also holds the blocks in use next to the slots' fetches
@@ -146,15 +155,17 @@ def test_shapes_from_files_modules_and_moe(tmp_path):
         plan_for("tiny", Machine(1, 1), compression="int1")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2_moe"])
 def test_planned_slots_are_the_engines(arch):
-    """The planner sizes a slot as the engine lays it out: fp32, or bf16-mixed with the embeddings and
-    one-dimensional parameters in fp32."""
+    """The planner sizes each block as the engine lays it out: fp32, or bf16-mixed with the embeddings
+    and one-dimensional parameters in fp32 (where the engine aligns a run of one dtype, a little more)."""
     blocks = discover_blocks(AutoModelForCausalLM.from_config(tiny_config(arch)))
     shape = load_shape(tiny_config(arch))
-    assert shape.slot_bytes(4) == SlotLayout(blocks, torch.float32).nbytes
-    assert shape.slot_bytes(2) == SlotLayout(blocks, torch.bfloat16, mixed=True).nbytes
-    assert shape.slot_bytes(2) > 2 * shape.largest_block  # the fp32 embedding sets it
+    assert shape.block_bytes(4) == tuple(SlotLayout(blocks, torch.float32).block_bytes)
+    mixed = SlotLayout(blocks, torch.bfloat16, mixed=True)
+    for planned, laid_out, runs in zip(shape.block_bytes(2), mixed.block_bytes, mixed.runs, strict=True):
+        assert planned <= laid_out < planned + RUN_ALIGN * len(runs)
+    assert max(shape.block_bytes(2)) > 2 * shape.largest_block  # what stays fp32 sets it
 
 
 def test_detect_reads_this_machine(tmp_path):
@@ -195,15 +206,15 @@ def test_printed_columns_and_recommendation_agree(model, machine):
     assert all(line in text for line in LEGEND)
     rows = _table(text)
     assert set(rows) == {r.method for r in plan.rows}
-    slot_gb = plan.slot_gb
     for method, row in rows.items():
         gpu, host = float(row["GPU GB"]), float(row["host GB"])
         if row["fits"] == "yes":
             assert gpu <= machine.vram_gb and host <= machine.ram_gb, method
             assert float(row["disk GB"]) <= machine.disk_gb, method
         if row["slots"] != "-" and row["fits"] == "yes":
-            slots = int(row["slots"])
-            assert slots * slot_gb + plan.activations_gb == pytest.approx(gpu, abs=0.06), method
+            settings = plan.row(method).settings
+            assert int(row["slots"]) == settings.num_slots, method
+            assert settings.slot_gb + plan.activations_gb == pytest.approx(gpu, abs=0.06), method
             staging = staging_bytes(plan.model.largest_block) / GB  # page-locked beside the cache
             # two printed figures, each rounded to 0.1 GB
             assert float(row["cache GB"]) + staging == pytest.approx(host, abs=0.1 + 1e-9), method

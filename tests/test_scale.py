@@ -68,7 +68,7 @@ SCRIPT = peak_rss_script(
     run = user_fit(config, strategy, steps=STEPS, module_cls=ConfiguredLM)
     time.sleep(0.05)
     figures = {"baseline": baseline, "peak": peak["rss"],
-               "slots": strategy.engine.pager.num_slots * strategy.engine.pager._slots[0].buf.nbytes,
+               "slots": strategy.engine.pager.nbytes,
                "cache_peak": strategy.stats.peak_host_cache_bytes}
     torch.save({"losses": run.losses, "state": run.state_dict()}, out)
     print(json.dumps(figures))

@@ -222,7 +222,8 @@ def test_auto_budgets_come_from_the_planner():
     engine = run.trainer.strategy.engine
     shape = ModelShape.from_blocks([b.numel for b in engine.blocks], hf_model(run.module)[1].config)
     settings = plan_for(shape, Machine.detect("cpu"), "none", Workload(compute_dtype="fp32")).settings
-    assert engine.pager.num_slots == min(settings.num_slots, len(engine.blocks)) >= 1
+    assert engine.config.slot_pools == settings.slot_pools
+    assert engine.pager.num_slots == settings.num_slots >= 1
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -232,7 +233,7 @@ def test_a_forward_without_backward_frees_its_graph_without_the_garbage_collecto
     from megatrain_lightning.engine.runtime import Engine, EngineConfig
 
     model = tiny_model("llama")
-    config = EngineConfig(device=torch.device("cpu"), num_slots=2, activation_checkpointing=checkpointing)
+    config = EngineConfig(device=torch.device("cpu"), activation_checkpointing=checkpointing)
     engine = Engine.attach(model, None, lambda blocks: config)
     ids = torch.randint(0, model.config.vocab_size, (1, 8))
 

@@ -1,16 +1,17 @@
-"""The pager: a fixed pool of device slots that blocks are copied into while they are needed.
+"""The pager: fixed pools of device slots that blocks are copied into while they are needed.
 
-A slot holds a block's parameters, each in its dtype (:mod:`.slots`). ``acquire`` makes a block resident
-and pins it; ``release`` unpins it, but the copy stays cached until a slot is needed for
-another block or the block's weights change: each copy remembers the store's ``version`` of its
-block, and a copy whose version the store has moved on is stale (the pager asks the store; no one
-tells the pager). While the trace predicts the future, free slots are filled ahead of time by one
-worker thread (on CUDA through a copy stream whose copies the compute stream waits for by event),
-and the evicted block is the one needed farthest in the future (Belady). A load reads the store,
-which makes it wait for a pending update of the block. The compute thread never waits for a copy
-on the host: a slot is ``ready`` once its copy is queued, and the host buffer the copy reads stays
-pinned in the store until a worker thread (the prefetcher, or for on-demand loads a copy waiter)
-has seen it finish.
+A slot holds a block's parameters, each in its dtype (:mod:`.slots`); there is a pool of slots per block
+size (:func:`.slots.slot_pools`), and a block takes a slot of its size or larger. ``acquire`` makes a
+block resident and pins it; ``release`` unpins it, but the copy stays cached until a slot is needed for
+another block or the block's weights change: each copy remembers the store's ``version`` of its block,
+and a copy whose version the store has moved on is stale (the pager asks the store; no one tells the
+pager). While the trace predicts the future, free slots are filled ahead of time by one worker thread
+(on CUDA through a copy stream whose copies the compute stream waits for by event), and the evicted
+block is the one needed farthest in the future (Belady) among the slots the new block fits (the smallest
+such slot on a tie, so that small blocks leave large slots to large ones). A load reads the store, which
+makes it wait for a pending update of the block. The compute thread never waits for a copy on the host:
+a slot is ``ready`` once its copy is queued, and the host buffer the copy reads stays pinned in the
+store until a worker thread (the prefetcher, or for on-demand loads a copy waiter) has seen it finish.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import torch
@@ -47,6 +48,7 @@ class _Slot:
         self.block: int | None = None
         self.version = -1  # the store's version of ``block`` when its load began
         self.pins = 0
+        self.nbytes = buf.numel()
         self.ready: Future | None = None  # the copy is queued (the compute stream waits for ``copied``)
         self.done: Future | None = None  # the load is over: its host buffer released, the slot settled
         cuda = buf.is_cuda
@@ -67,10 +69,11 @@ class Pager:
         store: HostStore,
         device: torch.device,
         layout: SlotLayout,
-        num_slots: int,
+        pools: Iterable[tuple[int, int]],
         prefetch_depth: int,
         stats: EngineStats,
     ) -> None:
+        """``pools``: ``(slot bytes, number of slots)`` per size (:func:`.slots.slot_pools`)."""
         self.store = store
         self.device = device
         self.layout = layout
@@ -78,8 +81,12 @@ class Pager:
         self.trace = Trace()
         self.stats = stats
         self._slots = [
-            _Slot(torch.empty(layout.nbytes, dtype=torch.uint8, device=device)) for _ in range(num_slots)
+            _Slot(torch.empty(size, dtype=torch.uint8, device=device))
+            for size, count in sorted(pools)
+            for _ in range(count)
         ]
+        if max((s.nbytes for s in self._slots), default=-1) < layout.nbytes:
+            raise ValueError(f"megatrain: no device slot holds the largest block ({layout.nbytes} bytes)")
         self._resident: dict[int, _Slot] = {}
         self._cond = threading.Condition()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -92,6 +99,11 @@ class Pager:
     @property
     def num_slots(self) -> int:
         return len(self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the slots take."""
+        return sum(s.nbytes for s in self._slots)
 
     def begin_pass(self, kind: str) -> None:
         with self._cond:
@@ -157,11 +169,15 @@ class Pager:
         return uses
 
     def _claim(self, block: int, need_at: float, demand: bool) -> _Slot | None:
-        """A slot for ``block``: an empty one, else the cached block used farthest in the future."""
+        """A slot that ``block`` fits: an empty one, else the cached block used farthest in the future;
+        the smallest on a tie."""
+        fitting = [s for s in self._slots if s.nbytes >= self.layout.block_bytes[block]]
         while True:
             uses = self._next_uses()
-            free = [s for s in self._slots if not s.pins and not s.loading]
-            victim = min(free, key=lambda s: (s.block is not None, -uses.get(s.block, _NEVER)), default=None)
+            free = [s for s in fitting if not s.pins and not s.loading]
+            victim = min(
+                free, key=lambda s: (s.block is not None, -uses.get(s.block, _NEVER), s.nbytes), default=None
+            )
             if victim is not None and (
                 demand or victim.block is None or uses.get(victim.block, _NEVER) > need_at
             ):
@@ -173,10 +189,10 @@ class Pager:
                 return victim
             if not demand:
                 return None
-            if not any(s.loading for s in self._slots):
+            if not any(s.loading for s in fitting):
                 raise RuntimeError(
-                    f"megatrain: all {len(self._slots)} device slots are pinned; raise `max_vram_gb` so that "
-                    "more blocks fit at once"
+                    f"megatrain: all {len(fitting)} device slots that hold block {block} are pinned; raise "
+                    "`max_vram_gb` so that more blocks fit at once"
                 )
             self._cond.wait()
 
@@ -196,8 +212,8 @@ class Pager:
         wanted = [b for b in uses if b not in self._resident][: self.prefetch_depth]
         for block in sorted(wanted, key=uses.get):
             slot = self._claim(block, uses[block], demand=False)
-            if slot is None:
-                break
+            if slot is None:  # a later block may still fit a slot of another size
+                continue
             slot.start_load()
             self._worker.submit(self._load, slot, block, _call)
 

@@ -56,7 +56,7 @@ from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
-from megatrain_lightning.engine.slots import SlotLayout
+from megatrain_lightning.engine.slots import Pools, SlotLayout, slot_pools
 from megatrain_lightning.engine.trace import UpdateCadence
 from megatrain_lightning.engine.weights import StoredWeights
 from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
@@ -76,7 +76,7 @@ class EngineConfig:
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
     mixed_precision: bool = False  # bf16-mixed: bf16 slots only for what autocast casts (engine/slots.py)
-    num_slots: int = 2
+    slot_pools: Pools | None = None  # (slot bytes, count) per size (engine/slots.py); None: a slot per block
     prefetch_depth: int = 1
     activation_checkpointing: bool = True
     pin_memory: bool = False
@@ -189,11 +189,12 @@ class Engine:
     def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
         if config.binds_store:
             return HostViews(self.store, self.stats)
+        layout = SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision)
         return Pager(
             self.store,
             config.device,
-            SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision),
-            config.num_slots,
+            layout,
+            slot_pools(layout.block_bytes) if config.slot_pools is None else config.slot_pools,
             config.prefetch_depth,
             self.stats,
         )

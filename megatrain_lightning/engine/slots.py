@@ -1,4 +1,5 @@
-"""What a block looks like on the device: each parameter's compute dtype and its place in a slot.
+"""What a block looks like on the device: each parameter's compute dtype, its place in a slot, and how
+many slots of which sizes a device budget buys.
 
 This is the one place that decides a parameter's dtype on the device (a host-side copy in the compute
 dtype must follow :func:`param_dtype` too). Under ``"bf16-mixed"`` Lightning keeps fp32 weights and
@@ -13,11 +14,17 @@ upcast with ``.float()``, state-space ``A_log``, ...). Their values and gradient
 A slot is a byte buffer. A block fills it with *runs*: stretches of its flat store layout whose
 parameters share a dtype, each copied in one transfer; with one dtype (``"32-true"``, ``"bf16-true"``)
 a block is one run and the slot is its flat layout in that dtype.
+
+Slots come in pools, one per block size on the device (:func:`slot_pools`): a decoder layer's slot is a
+layer's size, and a large embedding or head does not set the size of every slot. A block fits any slot
+at least its size. The engine and the planner size the pools with the same function.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +33,7 @@ from torch import Tensor, nn
 from megatrain_lightning.store.layout import ALIGN, Block
 
 RUN_ALIGN = ALIGN * 4  # bytes: every run starts ALIGN fp32 elements into the slot
+OVERLAP = 2  # blocks on the device at once so that one computes while the next one loads
 _AUTOCAST_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # forward: one op autocast casts for
 
 
@@ -51,6 +59,35 @@ def mixed_fp32_numels(blocks: list[Block]) -> list[int]:
     planner sizes slots with them."""
     layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
     return [sum(r.end - r.start for r in runs if r.dtype == torch.float32) for runs in layout.runs]
+
+
+Pools = tuple[tuple[int, int], ...]  # (slot bytes, number of slots) per size, largest first
+
+
+def slot_pools(block_bytes: Sequence[int], budget: float | None = None) -> Pools:
+    """The device slots ``budget`` bytes buy for blocks of ``block_bytes`` each (a block fits any slot at
+    least its size); none when the budget is below the largest block.
+
+    ``None``, or a budget that holds every block: a slot per block, so every block stays resident (copied
+    again only once its weights are updated). Otherwise the ``OVERLAP`` largest blocks get a slot each
+    (one computes while the next one loads, whatever their sizes), then each next slot goes to the size
+    whose blocks have the smallest share of slots (the larger size on a tie), as long as the budget left
+    holds it.
+    """
+    sizes = collections.Counter(block_bytes)
+    if budget is None or budget >= sum(block_bytes):
+        return tuple(sorted(sizes.items(), reverse=True))
+    if budget < max(block_bytes, default=0):
+        return ()
+    counts, left = dict.fromkeys(sizes, 0), budget
+    largest = sorted(block_bytes, reverse=True)[:OVERLAP]
+    firsts = [(size, largest[:i].count(size)) for i, size in enumerate(largest)]  # (size, k-th of it)
+    shares = sorted((k / n, -size, k) for size, n in sizes.items() for k in range(n))
+    for size, k in firsts + [(-size, k) for _, size, k in shares]:
+        if counts[size] <= k and size <= left:
+            counts[size] += 1
+            left -= size
+    return tuple((size, n) for size, n in sorted(counts.items(), reverse=True) if n)
 
 
 @dataclass(frozen=True)

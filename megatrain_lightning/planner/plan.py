@@ -7,8 +7,8 @@ method                 GPU                                    host              
 =====================  =====================================  ===========================  ===========
 plain AdamW            16 B/param + activations               0                            0
 ZeRO-Offload           compute dtype B/param + activations    16 B/param                   0
-megatrain, host tier   2 slots x largest block + activations  store + 4 B/param gradients  0
-megatrain, disk tier   2 slots x largest block + activations  the blocks in use (fp32)     host's need
+megatrain, host tier   the 2 largest blocks + activations     store + 4 B/param gradients  0
+megatrain, disk tier   the 2 largest blocks + activations     the blocks in use (fp32)     host's need
 =====================  =====================================  ===========================  ===========
 
 where the megatrain store is 4 B/param of fp32 master weights plus the Adam state: 8 (fp32),
@@ -16,8 +16,10 @@ about 2.05 (int8), 1.09 (int4), 0.88 (int3) or 0.69 (int2) B/param (``codecs.sta
 plus one fp32 scale per block). The host tier is chosen when the store and
 the gradient buffer fit in RAM; otherwise both live on disk (as the strategy lays them out) and
 the RAM caches them, at least the blocks in use. Beside either, the gradient offload pins two
-staging buffers of the largest block in fp32. A slot holds the largest block on the device, in the
-compute dtype except what stays fp32 under mixed precision (embeddings, norms, biases).
+staging buffers of the largest block in fp32. Slots come in pools, one per block size on the device
+(the compute dtype except what stays fp32 under mixed precision: embeddings, norms, biases), sized from
+the GPU memory left beside the activations by the engine's own rule (:func:`.slots.slot_pools`): at least
+the two largest blocks, every block when they all fit.
 Activations assume per-block checkpointing (block-boundary hidden states, one block's full
 activations for the recompute, and the logits) unless the workload turns it off; attention is
 assumed memory-efficient (no seq x seq scores).
@@ -45,7 +47,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.engine.slots import mixed_fp32_numels
+from megatrain_lightning.engine.slots import OVERLAP, Pools, mixed_fp32_numels, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.planner.traffic import least_disk_traffic
 from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
@@ -57,7 +59,6 @@ MASTER_BYTES = 4.0  # fp32 master weights in the store
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
-MIN_SLOTS = 2  # one block computing while the next one is fetched
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
 PRESETS = ("tiny", "170m", "1b", "3b", "7b", "70b")
 
@@ -87,12 +88,13 @@ class ModelShape:
     def num_blocks(self) -> int:
         return len(self.block_numels)
 
-    def slot_bytes(self, dtype_bytes: int) -> int:
-        """One device slot in a compute dtype of ``dtype_bytes``: the largest block on the device, its
-        fp32-kept parameters in fp32 when that dtype is narrower."""
+    def block_bytes(self, dtype_bytes: int) -> tuple[int, ...]:
+        """Each block's bytes on the device in a compute dtype of ``dtype_bytes``, its fp32-kept parameters
+        in fp32 when that dtype is narrower (the engine's layout may add a few hundred bytes of alignment
+        between runs of different dtypes: engine/slots.py)."""
         kept = self.fp32_numels or (0,) * self.num_blocks
         wide = max(dtype_bytes, int(MASTER_BYTES))
-        return max((n - k) * dtype_bytes + k * wide for n, k in zip(self.block_numels, kept, strict=True))
+        return tuple((n - k) * dtype_bytes + k * wide for n, k in zip(self.block_numels, kept, strict=True))
 
     @classmethod
     def from_module(cls, model: nn.Module, block_classes: Iterable[str | type] | None = None) -> ModelShape:
@@ -202,10 +204,19 @@ class Settings:
     """What megatrain would choose on the machine: the strategy's ``"auto"`` options."""
 
     tier: str  # "host": the store in RAM; "disk": the store under offload_dir, cached in RAM
-    num_slots: int
+    slot_pools: Pools  # (slot bytes, count) per size that the budget buys: engine/slots.py
     prefetch_depth: int
     cache_gb: float  # RAM holding the store and gradients (all of them on the host tier)
-    max_vram_gb: float  # the slots' budget
+    max_vram_gb: float  # the slots' budget: the GPU memory left beside the activations
+
+    @property
+    def num_slots(self) -> int:
+        return sum(count for _, count in self.slot_pools)
+
+    @property
+    def slot_gb(self) -> float:
+        """The GPU memory the slots take."""
+        return sum(size * count for size, count in self.slot_pools) / GB
 
 
 @dataclass(frozen=True)
@@ -226,7 +237,7 @@ class Plan:
     machine: Machine
     workload: Workload
     activations_gb: float
-    slot_gb: float
+    slot_gb: float  # the largest slot: the largest block on the device
     rows: tuple[Row, ...]
     compression: str
 
@@ -295,10 +306,12 @@ def plan_for(
     # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch.
     link_s = (1 + workload.micro_batches) * cd * n / (machine.pcie_gbps * GB)
     rows.append(_row("ZeRO-Offload", gpu, host, 0.0, gpu <= vram and host <= ram, compute_s, link_s, 0.0))
-    slot = shape.slot_bytes(cd)
+    block_bytes = shape.block_bytes(cd)
     for name in COMPRESSIONS:
-        rows.append(_megatrain_row(name, shape, workload, machine, act, slot, compute_s, vram, ram, disk))
-    return Plan(shape, machine, workload, act / GB, slot / GB, tuple(rows), compression)
+        rows.append(
+            _megatrain_row(name, shape, workload, machine, act, block_bytes, compute_s, vram, ram, disk)
+        )
+    return Plan(shape, machine, workload, act / GB, max(block_bytes) / GB, tuple(rows), compression)
 
 
 def _megatrain_row(
@@ -307,7 +320,7 @@ def _megatrain_row(
     workload: Workload,
     machine: Machine,
     act: float,
-    slot: float,
+    block_bytes: tuple[int, ...],
     compute_s: float,
     vram: float,
     ram: float,
@@ -316,17 +329,19 @@ def _megatrain_row(
     n = shape.num_params
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
     staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
-    num_slots = min(max(int((vram - act) // slot), 0), shape.num_blocks)
-    gpu_need = MIN_SLOTS * slot + act
+    budget = max(vram - act, 0.0)
+    pools = slot_pools(block_bytes, budget)
+    num_slots, slots = sum(n for _, n in pools), sum(size * n for size, n in pools)
+    gpu_need = sum(sorted(block_bytes, reverse=True)[:OVERLAP]) + act
     if store + staging <= ram:
         tier, cache, host_need, disk_need = "host", store, store + staging, 0.0
     else:
         tier, disk_need = "disk", store
         cache = max(min(ram - staging, store), 0.0)
         host_need = min_cache_bytes(shape.largest_block) + staging  # the store chunks in use at once
-    fits = num_slots >= 1 and gpu_need <= vram and host_need <= ram and disk_need <= disk
+    fits = gpu_need <= vram and host_need <= ram and disk_need <= disk
     # What the chosen settings use; where they do not fit, the least megatrain needs.
-    gpu, host = (num_slots * slot + act, cache + staging) if fits else (gpu_need, host_need)
+    gpu, host = (slots + act, cache + staging) if fits else (gpu_need, host_need)
     micro = workload.micro_batches
     cd = DTYPE_BYTES[workload.compute_dtype]
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
@@ -337,7 +352,7 @@ def _megatrain_row(
         if tier == "disk"
         else 0.0
     )
-    settings = Settings(tier, num_slots, max(num_slots - 1, 1), cache / GB, num_slots * slot / GB)
+    settings = Settings(tier, pools, max(num_slots - 1, 1), cache / GB, budget / GB)
     return _row(f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, settings)
 
 

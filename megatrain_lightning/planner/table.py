@@ -16,13 +16,14 @@ def _count(n: int) -> str:
 
 LEGEND = (
     "GPU GB: GPU memory used: plain AdamW fp32 weights, gradients, Adam state and activations;",
-    "  ZeRO-Offload weights in the compute dtype and activations; megatrain its slots (slots x GB per",
-    "  slot) and activations.",
+    "  ZeRO-Offload weights in the compute dtype and activations; megatrain its slots (a pool per block",
+    "  size: every block's own slot when all fit) and activations.",
     "host GB: RAM used: ZeRO-Offload fp32 weights and Adam state; megatrain the store and gradients (host",
     "  tier) or their cache (disk tier), = cache GB, plus the gradient offload's two page-locked staging",
     "  buffers (the largest block in fp32 each). disk GB: the disk tier's files.",
-    "fits: within the machine less the reserve; for megatrain, at its least (2 slots, the blocks in use).",
-    "  A row that does not fit shows that least need. tier, slots, prefetch, cache GB: megatrain's settings.",
+    "fits: within the machine less the reserve; for megatrain, at its least (slots for the 2 largest blocks,",
+    "  the blocks in use). A row that does not fit shows that least need. tier, slots, prefetch, cache GB:",
+    "  megatrain's settings.",
     "step >= s: a lower bound on one optimizer step, set by the slowest of compute, link and disk (bound).",
 )
 
@@ -32,8 +33,8 @@ def format_plan(plan: Plan) -> str:
     m, mach, w = plan.model, plan.machine, plan.workload
     lines = [
         f"model: {_count(m.num_params)} params in {m.num_blocks} blocks, largest {_count(m.largest_block)} "
-        f"({_gb(plan.slot_gb)} GB per slot in {w.compute_dtype}); activations {_gb(plan.activations_gb)} GB "
-        f"per micro-batch of {w.micro_tokens} tokens"
+        f"({_gb(plan.slot_gb)} GB on the device in {w.compute_dtype}); activations "
+        f"{_gb(plan.activations_gb)} GB per micro-batch of {w.micro_tokens} tokens"
         + (" (per-block checkpointing)" if w.activation_checkpointing else ""),
         f"machine: {mach.vram_gb:g} GB GPU, {mach.ram_gb:g} GB RAM, {mach.disk_gb:g} GB disk; "
         f"link {mach.pcie_gbps:g} GB/s, disk {mach.disk_gbps:g} GB/s, {mach.tflops:g} TFLOP/s; "
@@ -92,7 +93,7 @@ def format_plan(plan: Plan) -> str:
         where = "in host RAM" if s.tier == "host" else f"on disk, {_gb(s.cache_gb)} GB cached in RAM"
         lines.append(
             f"recommended: {best.method} with the store {where}, {s.num_slots} slots "
-            f"({_gb(s.max_vram_gb)} GB; {_gb(best.gpu_gb)} GB on the GPU with activations), "
+            f"({_gb(s.slot_gb)} GB; {_gb(best.gpu_gb)} GB on the GPU with activations), "
             f"prefetch depth {s.prefetch_depth}"
         )
     return "\n".join(lines)

@@ -83,18 +83,6 @@ def disk_files_bytes(blocks: list[Block], compression: str = "none", gradients: 
     return files
 
 
-def num_slots_for(max_vram_gb: float, slot_bytes: int) -> int:
-    """How many slots of ``slot_bytes`` (the largest block on the device) ``max_vram_gb`` holds; at least
-    one."""
-    num_slots = int(max_vram_gb * _GB // slot_bytes)
-    if num_slots < 1:
-        raise MisconfigurationException(
-            f"`max_vram_gb={max_vram_gb}` is smaller than the largest block "
-            f"({slot_bytes / _GB:.3g} GB on the device); raise it to at least that."
-        )
-    return num_slots
-
-
 def cache_bytes_for(
     blocks: list[Block],
     optimizer_threads: int,
