@@ -34,7 +34,7 @@ from megatrain_lightning.optim import codecs
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quantized_adamw.cpp"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _TABLE_FLOATS = 93
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 # tried in this order; the first that compiles is used (without OpenMP the kernel runs on one thread)
@@ -72,7 +72,7 @@ class _Kernel:
         fn = lib.mq_adamw_step
         fn.restype = ctypes.c_int
         fn.argtypes = [
-            *[ctypes.c_void_p] * 6,
+            *[ctypes.c_void_p] * 7,
             ctypes.c_int64,
             ctypes.c_int,
             ctypes.c_void_p,
@@ -82,6 +82,10 @@ class _Kernel:
             ctypes.c_int64,
         ]
         self.step = fn
+        to_bf16 = lib.mq_to_bf16
+        to_bf16.restype = ctypes.c_int
+        to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self.to_bf16 = to_bf16
         self.path = path
 
 
