@@ -21,13 +21,17 @@ from megatrain_lightning.optim import kernel
 def check(src: Tensor, dst: Tensor) -> None:
     for name, t, dtype in (("src", src, torch.float32), ("dst", dst, torch.bfloat16)):
         if t.dtype != dtype or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a 1-D contiguous CPU {dtype} tensor; got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be a 1-D contiguous CPU {dtype} tensor; got {t.dtype} {tuple(t.shape)}"
+            )
     if src.numel() != dst.numel():
         raise ValueError(f"src has {src.numel()} elements and dst {dst.numel()}; they must match")
 
 
 @torch.no_grad()
-def to_bf16_(src: Tensor, dst: Tensor, num_threads: int | None = None, use_kernel: bool | None = None) -> None:
+def to_bf16_(
+    src: Tensor, dst: Tensor, num_threads: int | None = None, use_kernel: bool | None = None
+) -> None:
     """``dst[:] = src`` rounded to bf16 (nearest even; NaN as ``0x7fc0``). ``num_threads`` defaults to
     ``torch.get_num_threads()``; ``use_kernel=False`` forces torch, ``True`` requires the compiled loop."""
     check(src, dst)

@@ -190,8 +190,9 @@ def quantized_adamw_(
     ``seed`` (e.g. a block, whose flat buffer starts at offset 0) draws ``rounding.uniforms`` keyed by
     ``rounding.rounding_keys(seed, step)``, so the result does not depend on how a block is cut into
     slices or threads. ``shadow``: a bf16 tensor of ``param``'s size that receives the updated weights
-    rounded as ``Tensor.to(torch.bfloat16)`` rounds them (:mod:`.bf16`), in the same pass. ``num_threads`` defaults to ``torch.get_num_threads()``; ``use_kernel=False``
-    forces the torch fallback, ``True`` requires the compiled kernel.
+    rounded as ``Tensor.to(torch.bfloat16)`` rounds them (:mod:`.bf16`), in the same pass.
+    ``num_threads`` defaults to ``torch.get_num_threads()``; ``use_kernel=False`` forces the torch
+    fallback, ``True`` requires the compiled kernel.
     """
     _validate(param, grad, m_codes, m_scales, v_codes, v_scales, bits)
     if shadow is not None:
