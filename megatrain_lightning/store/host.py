@@ -221,6 +221,8 @@ class HostStore:
     def read(self, block: int, kind: str) -> Tensor:
         """The current contents, for callers that keep them (state dicts): the buffer itself here."""
         self.wait_for_change(block)
+        if kind == SHADOW:
+            self._rebuild_shadow(block)
         return self._buffer(block, kind)
 
     def written(self, block: int, kinds: Iterable[str], span: tuple[int, int] | None = None) -> None:
