@@ -109,6 +109,24 @@ def test_bf16_mixed_fetches_the_shadow_and_trains_bitwise_like_lightnings(
     assert engine.stats.host_bytes >= store.nbytes("param") + shadow_bytes
 
 
+def test_the_disk_tier_keeps_no_shadow_and_reads_fp32(model, plain, tmp_path, monkeypatch):
+    """The disk tier keeps today's path: no shadow, 4 bytes per parameter read for every fetch (the slots
+    convert), and still bitwise Lightning's."""
+    loads: list[int] = []
+    load = Pager._load
+    monkeypatch.setattr(
+        Pager,
+        "_load",
+        lambda self, slot, block, finish: loads.append(block) or load(self, slot, block, finish),
+    )
+    run = user_fit(model, MegaTrainStrategy(offload_dir=str(tmp_path / "offload")), steps=STEPS, **MIXED)
+    assert_same_training(plain, run, loss_rtol=0, param_atol=0)
+    engine = run.trainer.strategy.engine
+    engine.pager.close()
+    assert not engine.store.has_shadow
+    assert loads and engine.stats.h2d_bytes == sum(4 * engine.blocks[b].numel for b in loads)
+
+
 @pytest.mark.parametrize("compression", ["int8", "int4"])
 def test_the_fused_quantized_update_refreshes_the_shadow(model, compression, monkeypatch):
     """With quantized moments (the kernel writes the shadow in its pass) the run equals, bitwise, the same
