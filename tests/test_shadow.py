@@ -127,22 +127,28 @@ def test_the_disk_tier_keeps_no_shadow_and_reads_fp32(model, plain, tmp_path, mo
     assert loads and engine.stats.h2d_bytes == sum(4 * engine.blocks[b].numel for b in loads)
 
 
-@pytest.mark.parametrize("compression", ["int8", "int4"])
-def test_the_fused_quantized_update_refreshes_the_shadow(model, compression, monkeypatch):
-    """With quantized moments (the kernel writes the shadow in its pass) the run equals, bitwise, the same
-    run whose slots convert the fp32 master (no shadow), and the shadows end current."""
-    mixed = {**MIXED, "gradient_clip_val": None}  # updates during backward: the shadow refresh races fetches
+@pytest.mark.parametrize(
+    ("compression", "precision"), [("int8", "bf16-mixed"), ("int4", "bf16-mixed"), ("none", "bf16-true")]
+)
+def test_the_shadow_path_equals_slots_converting_the_master(model, compression, precision, monkeypatch):
+    """With quantized moments (the kernel writes the shadow in its pass), and under ``bf16-true`` (every
+    weight in the shadow), the run equals, bitwise, the same run whose slots convert the fp32 master (no
+    shadow), and the shadows end current."""
+    trainer = {**MIXED, "precision": precision, "gradient_clip_val": None}  # updates during backward
     strategy = {"zero_copy": False, "optimizer_compression": compression}
-    with_shadow = user_fit(model, MegaTrainStrategy(**strategy), steps=STEPS, **mixed)
+    with_shadow = user_fit(model, MegaTrainStrategy(**strategy), steps=STEPS, **trainer)
     store = with_shadow.trainer.strategy.engine.store
-    assert any(
-        store.shadow_runs(b) and store.shadow_runs(b)[0][0] < store.blocks[b].large_numel
-        for b in range(len(store.blocks))
-    )  # some quantized parameters are in the shadow
+    if compression != "none":  # some parameters with quantized moments are in the shadow
+        assert any(
+            runs and runs[0][0] < block.large_numel
+            for block, runs in ((b, store.shadow_runs(b.index)) for b in store.blocks)
+        )
+    else:
+        assert all(store.shadow_runs(b.index) == [(0, b.numel)] for b in store.blocks)
     _assert_shadows_current(store)
     define = HostStore.define_shadow
     monkeypatch.setattr(HostStore, "define_shadow", lambda self, runs: define(self, None))
-    without = user_fit(model, MegaTrainStrategy(**strategy), steps=STEPS, **mixed)
+    without = user_fit(model, MegaTrainStrategy(**strategy), steps=STEPS, **trainer)
     assert not without.trainer.strategy.engine.store.has_shadow
     assert_same_training(without, with_shadow, loss_rtol=0, param_atol=0)
 
