@@ -4,10 +4,12 @@ Under bf16 compute the host tier keeps a bf16 copy (the *shadow*, :mod:`megatrai
 of the weights that sit in the device slots in bf16, so that 2 bytes per parameter cross the link and
 nothing is converted on the device. It must hold exactly what ``Tensor.to(torch.bfloat16)`` of the fp32
 master gives (round to nearest even), or training would no longer be bitwise plain Lightning's. The
-update writes it while the new weights are in cache: the quantized kernel inside its pass
-(``csrc/quantized_adamw.cpp``), and after torch's own Adam (fp32 moments) :func:`to_bf16_` here, with the
-compiled loop or, where the kernel is unavailable, torch's conversion. Both write every NaN as the one
-quiet NaN ``0x7fc0``, so the two agree bit for bit on every input.
+update writes it in the same pass over a chunk: the quantized kernel inside its loop, each 256 weights
+while they are in L1 (``csrc/quantized_adamw.cpp``), and right after torch's own Adam on the chunk (fp32
+moments: that arithmetic must stay torch's, bit for bit) :func:`to_bf16_` here, with the
+compiled loop or, where the kernel is unavailable (or ``MEGATRAIN_QUANTIZED_BACKEND=torch``), torch's
+conversion. Both write every NaN as the one quiet NaN ``0x7fc0`` (torch's vectorized conversion writes
+``0xffff``, its scalar one ``0x7fc0``), so the two agree bit for bit on every input.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from megatrain_lightning.optim import kernel
 
 
 def check(src: Tensor, dst: Tensor) -> None:
+    """Raise unless ``src`` (fp32) and ``dst`` (bf16) are 1-D contiguous CPU tensors of one size."""
     for name, t, dtype in (("src", src, torch.float32), ("dst", dst, torch.bfloat16)):
         if t.dtype != dtype or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(

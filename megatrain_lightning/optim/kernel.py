@@ -1,5 +1,8 @@
 """The compiled quantized-AdamW kernel: built once per machine, loaded once per process.
 
+It also rounds weights to bf16 for the host tier's shadow (:mod:`.bf16`): inside the quantized step, and
+on its own after torch's Adam for fp32 moments.
+
 ``csrc/quantized_adamw.cpp`` is compiled with the system C++ compiler (no torch headers, no ninja)
 into a per-user cache: ``$MEGATRAIN_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/megatrain_lightning/kernels``,
 else ``~/.cache/megatrain_lightning/kernels``, else (when none of those can be created) a folder of
@@ -216,7 +219,8 @@ def prepare() -> str:
     returns :func:`backend`."""
     if _kernel is None and _kernel_error is None:
         rank_zero_info(
-            f"megatrain: preparing the compressed-state AdamW kernel (built once, in {cache_dir()})"
+            f"megatrain: preparing the compiled AdamW kernel (compressed state, bf16 shadow; built once, in "
+            f"{cache_dir()})"
         )
         start = time.perf_counter()
         load_kernel()
