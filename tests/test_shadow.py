@@ -5,8 +5,10 @@ update in the same pass and rebuilt after any other write, so training stays bit
 from __future__ import annotations
 
 import copy
+import itertools
 from concurrent.futures import Future
 
+import lightning as L
 import pytest
 import torch
 from conftest import (
@@ -21,7 +23,9 @@ from conftest import (
 )
 
 from megatrain_lightning import MegaTrainStrategy, convert_checkpoint
+from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.pager import Pager
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.optim import bf16, codecs, kernel
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.store.host import SHADOW, HostStore, shadow_index
@@ -70,13 +74,26 @@ def _assert_shadows_current(store: HostStore) -> None:
                 assert torch.equal(shadow[start : start + b - a], weights[a:b].to(torch.bfloat16)), block
 
 
+class StepBytes(L.Callback):
+    """After each optimizer step, once the pager's prefetches are done: ``h2d_bytes`` and the fetches so far."""
+
+    def __init__(self, loads: list[int]) -> None:
+        self.loads, self.marks = loads, [(0, 0)]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % ACCUMULATE == 0:
+            pager = trainer.strategy.engine.pager
+            pager._worker.submit(lambda: None).result()  # one worker: every queued prefetch is done
+            self.marks.append((trainer.strategy.stats.h2d_bytes, len(self.loads)))
+
+
 @pytest.mark.parametrize("max_slots", [None, 2], ids=["all_resident", "two_slots"])
 def test_bf16_mixed_fetches_the_shadow_and_trains_bitwise_like_lightnings(
     model, plain, max_slots, monkeypatch
 ):
     """With clipping and accumulation, on the slot path: losses and weights bitwise plain Lightning's
-    ``bf16-mixed``; the bytes copied to the device are exactly 2 per bf16 parameter and 4 per fp32 one
-    of every block fetched; the shadows equal the trained weights rounded; the store counts them."""
+    ``bf16-mixed``; each step copies to the device exactly 2 bytes per bf16 parameter and 4 per fp32 one
+    of every block it fetched; the shadows equal the trained weights rounded; the store counts them."""
     loads: list[int] = []
     load = Pager._load
 
@@ -87,19 +104,19 @@ def test_bf16_mixed_fetches_the_shadow_and_trains_bitwise_like_lightnings(
     monkeypatch.setattr(Pager, "_load", recorded)
     kwargs = {"zero_copy": False}
     if max_slots:
-        from megatrain_lightning.engine.blocks import discover_blocks
-        from megatrain_lightning.engine.slots import SlotLayout
-
         slot = SlotLayout(discover_blocks(copy.deepcopy(model)), torch.bfloat16, mixed=True).nbytes
         kwargs["max_vram_gb"] = max_slots * slot / 1e9
-    run = user_fit(model, MegaTrainStrategy(**kwargs), steps=STEPS, **MIXED)
+    steps = StepBytes(loads)
+    run = user_fit(model, MegaTrainStrategy(**kwargs), steps=STEPS, callbacks=[steps], **MIXED)
     assert_same_training(plain, run, loss_rtol=0, param_atol=0)
     engine = run.trainer.strategy.engine
-    engine.pager.close()  # every prefetch done and counted
     layout, store = engine.pager.layout, engine.store
     if max_slots:
         assert engine.pager.num_slots == max_slots
-    assert loads and engine.stats.h2d_bytes == sum(_bytes_per_fetch(layout, b) for b in loads)
+    assert len(steps.marks) == STEPS + 1
+    for step, ((bytes0, loads0), (bytes1, loads1)) in enumerate(itertools.pairwise(steps.marks)):
+        fetched = loads[loads0:loads1]
+        assert fetched and bytes1 - bytes0 == sum(_bytes_per_fetch(layout, b) for b in fetched), step
     bf16_elements = [sum(b - a for a, b in runs) for runs in layout.shadow_runs]
     fp32_only = sum(4 * (layout.blocks[b].numel) for b in loads)
     assert sum(bf16_elements) > 0 and engine.stats.h2d_bytes < fp32_only  # the shadow halves the link bytes
