@@ -88,13 +88,18 @@ class StepBytes(L.Callback):
             self.marks.append((trainer.strategy.stats.h2d_bytes, len(self.loads)))
 
 
-@pytest.mark.parametrize("max_slots", [None, 2], ids=["all_resident", "two_slots"])
+@pytest.mark.parametrize(
+    ("max_slots", "chunk_mb"),
+    [(None, 16), (2, 16), (2, 0.004)],
+    ids=["all_resident", "two_slots", "small_chunks"],
+)
 def test_bf16_mixed_fetches_the_shadow_and_trains_bitwise_like_lightnings(
-    model, plain, max_slots, monkeypatch
+    model, plain, max_slots, chunk_mb, monkeypatch
 ):
     """With clipping and accumulation, on the slot path: losses and weights bitwise plain Lightning's
     ``bf16-mixed``; each step copies to the device exactly 2 bytes per bf16 parameter and 4 per fp32 one
-    of every block it fetched; the shadows equal the trained weights rounded; the store counts them."""
+    of every block it fetched; the shadows equal the trained weights rounded; the store counts them.
+    ``small_chunks``: store chunks of 1024 elements, so fetches and updates cut runs and parameters."""
     loads: list[int] = []
     load = Pager._load
 
@@ -103,7 +108,7 @@ def test_bf16_mixed_fetches_the_shadow_and_trains_bitwise_like_lightnings(
         return load(self, slot, block, finish)
 
     monkeypatch.setattr(Pager, "_load", recorded)
-    kwargs = {"zero_copy": False}
+    kwargs = {"zero_copy": False, "io_chunk_mb": chunk_mb}
     if max_slots:
         slot = SlotLayout(discover_blocks(copy.deepcopy(model)), torch.bfloat16, mixed=True).nbytes
         kwargs["max_vram_gb"] = max_slots * slot / 1e9
@@ -114,6 +119,7 @@ def test_bf16_mixed_fetches_the_shadow_and_trains_bitwise_like_lightnings(
     layout, store = engine.pager.layout, engine.store
     if max_slots:
         assert engine.pager.num_slots == max_slots
+    assert max(len(store.spans(b)) for b in range(len(store.blocks))) > (20 if chunk_mb < 1 else 0)
     assert len(steps.marks) == STEPS + 1
     for step, ((bytes0, loads0), (bytes1, loads1)) in enumerate(itertools.pairwise(steps.marks)):
         fetched = loads[loads0:loads1]
@@ -146,14 +152,17 @@ def test_the_disk_tier_keeps_no_shadow_and_reads_fp32(model, plain, tmp_path, mo
 
 
 @pytest.mark.parametrize(
-    ("compression", "precision"), [("int8", "bf16-mixed"), ("int4", "bf16-mixed"), ("none", "bf16-true")]
+    ("compression", "precision", "chunk_mb"),
+    [("int8", "bf16-mixed", 16), ("int4", "bf16-mixed", 0.004), ("none", "bf16-true", 16)],
 )
-def test_the_shadow_path_equals_slots_converting_the_master(model, compression, precision, monkeypatch):
+def test_the_shadow_path_equals_slots_converting_the_master(
+    model, compression, precision, chunk_mb, monkeypatch
+):
     """With quantized moments (the kernel writes the shadow in its pass), and under ``bf16-true`` (every
     weight in the shadow), the run equals, bitwise, the same run whose slots convert the fp32 master (no
     shadow), and the shadows end current."""
     trainer = {**MIXED, "precision": precision, "gradient_clip_val": None}  # updates during backward
-    strategy = {"zero_copy": False, "optimizer_compression": compression}
+    strategy = {"zero_copy": False, "optimizer_compression": compression, "io_chunk_mb": chunk_mb}
     with_shadow = user_fit(model, MegaTrainStrategy(**strategy), steps=STEPS, **trainer)
     store = with_shadow.trainer.strategy.engine.store
     if compression != "none":  # some parameters with quantized moments are in the shadow
