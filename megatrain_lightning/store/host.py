@@ -286,7 +286,10 @@ class HostStore:
         with self._shadow_lock:
             if self.shadow_is_current(block):
                 return
-            writes = self._shadow_writes[block]
+            with self._lock:  # a change that runs meanwhile (or begins) leaves the copy stale, as a slot's
+                change = self._changes.get(block)
+                settled = change is None or change.done()
+                before = self._shadow_writes[block], self._versions[block]
             runs, shadow, weights = (
                 self.shadow_runs(block),
                 self._buffer(block, SHADOW),
@@ -296,7 +299,7 @@ class HostStore:
                 start = shadow_index(runs, a)
                 to_bf16_(weights[a:b], shadow[start : start + b - a])
             with self._lock:
-                if self._shadow_writes[block] == writes:
+                if settled and (self._shadow_writes[block], self._versions[block]) == before:
                     self._stale_shadows.discard(block)
 
     def _invalidate_shadow(self, block: int) -> None:
