@@ -29,7 +29,9 @@
    the same weights and batches: losses within 2e-2 (bitwise on the CPU), embedding output fp32.
 8. ``stream``: the pager's achieved host->device rate (``stats.h2d_bytes`` over the wall time of
    forward-only passes of a model with a two-block budget, so the passes are transfer-bound) vs a
-   raw ``copy_(non_blocking=True)`` of the same blocks from pinned memory into a device buffer.
+   raw ``copy_(non_blocking=True)`` of the same blocks from pinned memory into a device buffer; and
+   that a ``bf16-mixed`` pass moves the host tier's bf16 shadow (its ``h2d_bytes`` against the fp32
+   pass's within 2% of 2 bytes per bf16 parameter and 4 per fp32 one, against 4 for all).
 9. ``bench``: ``bench_engine``'s four-case step-time comparison on ``cuda`` with a bigger batch.
 
 Without CUDA it says so and exits 0. ``--cpu`` runs every part's code path on the CPU with smaller
@@ -678,7 +680,11 @@ def stream(accelerator: str, passes: int = 8, seq: int = 32) -> list[Check]:
     weights cross the link, about 1.0 if fp32 ones do and are converted on the device)."""
     # TinyLlama-shaped blocks, fewer of them (on the CPU, small ones: the code path only)
     config = llama_config("1b", num_hidden_layers=8) if accelerator == "cuda" else bench_config(True)
-    numels = [b.numel for b in discover_blocks(build_model(config))]
+    blocks = discover_blocks(build_model(config))
+    numels = [b.numel for b in blocks]
+    # The host tier's bf16 shadow: 2 bytes per bf16 parameter cross, 4 per fp32 one (the embedding, norms).
+    mixed = SlotLayout(blocks, torch.bfloat16, mixed=True)
+    halved = sum(r.nbytes for runs in mixed.runs for r in runs) / (4 * sum(numels))
     fp32 = pager_pass(config, accelerator, "32-true", passes, seq)
     bf16 = pager_pass(config, accelerator, "bf16-mixed", passes, seq)
     raw = raw_copy_gbps(numels, accelerator)
@@ -688,15 +694,20 @@ def stream(accelerator: str, passes: int = 8, seq: int = 32) -> list[Check]:
         f"{fp32.seconds * 1e3:.1f} ms), raw pinned copy {raw:.1f} GB/s: ratio {fp32.gbps / raw:.3f}; "
         f"fetch_wait_s {fp32.stats['fetch_wait_s']:.3f}, h2d_s {fp32.stats['h2d_s']:.3f}"
     )
+    ratio = bf16.nbytes / fp32.nbytes if fp32.nbytes else float("nan")  # the CPU's fp32 pass copies nothing
     bf16_detail = (
         f"bf16-mixed pass {bf16.seconds * 1e3:.1f} ms vs fp32 {fp32.seconds * 1e3:.1f} ms: ratio "
         f"{bf16.seconds / fp32.seconds:.3f}; h2d_bytes per pass {bf16.nbytes / 1e9:.2f} GB vs "
-        f"{fp32.nbytes / 1e9:.2f} GB"
+        f"{fp32.nbytes / 1e9:.2f} GB: ratio {ratio:.3f} (the shadow's {halved:.3f})"
     )
     print(f"  stream: {detail}\n  stream: {bf16_detail}", flush=True)
+    name = "stream: bf16-mixed moves the bf16 shadow (2 bytes per bf16 parameter)"
     return [
         Check("stream: pager h2d rate vs raw pinned copy (informational)", True, detail),
         Check("stream: bf16-mixed vs fp32 pass time (informational)", True, bf16_detail),
+        Check(name, abs(ratio - halved) <= 0.02 * halved, bf16_detail)
+        if fp32.nbytes
+        else _skip(name, "the fp32 pass is zero-copy on the CPU"),
     ]
 
 

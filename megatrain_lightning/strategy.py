@@ -228,7 +228,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.optimizer_compression != "none":
+            if self.optimizer_compression != "none" or self.engine.store.has_shadow:
                 from megatrain_lightning.optim import kernel
 
                 kernel.prepare()  # here, not in the first update: no step waits for a compiler

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.optim.adam import adam
 
+from megatrain_lightning.optim import bf16 as B
 from megatrain_lightning.optim import codecs as C
 from megatrain_lightning.optim import kernel as K
 from megatrain_lightning.optim import quantized as Q
@@ -63,9 +64,20 @@ def _grads(n: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g) * scale for _ in range(steps)]
 
 
-def _run(n: int, bits: int, steps: int, use_kernel: bool, num_threads: int | None = None, **mode) -> tuple:
+def _run(
+    n: int,
+    bits: int,
+    steps: int,
+    use_kernel: bool,
+    num_threads: int | None = None,
+    shadow: bool = False,
+    **mode,
+) -> tuple:
+    """The weights and state after ``steps`` steps (and with ``shadow`` the bf16 shadow the step wrote, as
+    bits, checked to be the weights rounded)."""
     p = torch.randn(n, generator=torch.Generator().manual_seed(1))
     state = C.empty_state(n, bits)
+    rounded = torch.zeros(n, dtype=torch.bfloat16) if shadow else None
     for step, grad in enumerate(_grads(n, steps), start=1):
         Q.quantized_adamw_(
             p,
@@ -75,10 +87,14 @@ def _run(n: int, bits: int, steps: int, use_kernel: bool, num_threads: int | Non
             step=step,
             use_kernel=use_kernel,
             num_threads=num_threads,
+            shadow=rounded,
             **HP,
             **mode,
         )
-    return (p, *state)
+    if rounded is None:
+        return (p, *state)
+    assert torch.equal(rounded, p.to(torch.bfloat16))
+    return (p, *state, rounded.view(torch.int16))
 
 
 def _assert_identical(a: tuple, b: tuple) -> None:
@@ -110,6 +126,13 @@ def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernel
         for n in (256 * 33 + 5, 100):
             _assert_identical(_run(n, bits, 3, True, **mode), _run(n, bits, 3, False, **mode))
     _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
+    n = 256 * 33 + 5  # the bf16 shadow written in the pass, full chunks and a tail
+    _assert_identical(_run(n, bits, 3, True, shadow=True), _run(n, bits, 3, False, shadow=True))
+    x = torch.randn(n) * 1e30
+    kernel_out, fallback = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    B.to_bf16_(x, kernel_out, use_kernel=True)
+    B.to_bf16_(x, fallback, use_kernel=False)
+    assert torch.equal(kernel_out.view(torch.int16), fallback.view(torch.int16))
     for rounding in ROUNDINGS if bits != 8 else ():
         sr = dict(stochastic=rounding, seed=2, offset=256 * 5)
         _assert_identical(_run(256 * 9 + 3, bits, 3, True, **sr), _run(256 * 9 + 3, bits, 3, False, **sr))
@@ -120,6 +143,8 @@ def test_threads_do_not_change_results(bits: int) -> None:
     _kernel_or_skip()
     n = 256 * 300 + 3
     _assert_identical(_run(n, bits, 2, True, num_threads=1), _run(n, bits, 2, True, num_threads=3))
+    one, three = _run(n, bits, 2, True, 1, shadow=True), _run(n, bits, 2, True, 3, shadow=True)
+    _assert_identical(one, three)
 
 
 # -- stochastic rounding (table formats) --

@@ -32,7 +32,7 @@ from megatrain_lightning.engine.futures import result_of
 from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.threads import worker_pool
 from megatrain_lightning.engine.trace import Trace
-from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.host import SHADOW, HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
@@ -225,7 +225,7 @@ class Pager:
             point("pager.load.before")
             self.store.wait_for_change(block)  # a pending update of the block
             start = time.perf_counter()
-            self._copy_chunks(slot, block, unpin)
+            nbytes = self._copy_chunks(slot, block, unpin)
             point("pager.load.after")
         except BaseException as err:  # surfaces in the waiting compute thread
             unpin.close()
@@ -233,26 +233,32 @@ class Pager:
             self._settle(slot, block, err, forget=True)
             return
         slot.ready.set_result(None)
-        finish(self._finish_load, slot, block, unpin, start, self.layout.block_bytes[block])
+        finish(self._finish_load, slot, block, unpin, start, nbytes)
 
-    def _copy_chunks(self, slot: _Slot, block: int, unpin: contextlib.ExitStack) -> None:
-        """Copy ``block``'s master weights into ``slot`` one store chunk at a time, each pinned only while a
-        copy reads it: at most ``_CHUNKS_IN_FLIGHT`` on CUDA, the rest released as their copies finish;
-        those still in flight are left to ``unpin``."""
+    def _copy_chunks(self, slot: _Slot, block: int, unpin: contextlib.ExitStack) -> int:
+        """Copy ``block``'s master weights (its bf16 runs from the store's shadow, if it keeps one) into
+        ``slot`` one store chunk at a time, each pinned only while a copy reads it: at most
+        ``_CHUNKS_IN_FLIGHT`` on CUDA, the rest released as their copies finish; those still in flight are
+        left to ``unpin``. Returns the bytes read from the host."""
         in_flight: collections.deque[tuple[torch.cuda.Event, contextlib.ExitStack]] = collections.deque()
         unpin.callback(lambda: [pin.close() for _, pin in in_flight])
+        kinds, nbytes = ("param", SHADOW) if self.store.shadow_runs(block) else ("param",), 0
         for span in self.store.spans(block):
             if self._copy_stream is None:
-                with self.store.pinned(block, "param", span=span) as src:
-                    self.layout.copy_in(block, src, slot.buf, span=span)
+                with self.store.pinned_all(block, kinds, span=span) as src:
+                    nbytes += self.layout.copy_in(
+                        block, src["param"], slot.buf, span=span, shadow=src.get(SHADOW)
+                    )
                 continue
             copied, pin = torch.cuda.Event(blocking=True), contextlib.ExitStack()
             in_flight.append((copied, pin))
-            src = pin.enter_context(self.store.pinned(block, "param", span=span))
+            src = pin.enter_context(self.store.pinned_all(block, kinds, span=span))
             with torch.cuda.stream(self._copy_stream):
                 if span[0] == 0:
                     self._copy_stream.wait_event(slot.released)
-                self.layout.copy_in(block, src, slot.buf, non_blocking=True, span=span)
+                nbytes += self.layout.copy_in(
+                    block, src["param"], slot.buf, non_blocking=True, span=span, shadow=src.get(SHADOW)
+                )
                 copied.record(self._copy_stream)
             if len(in_flight) > _CHUNKS_IN_FLIGHT:
                 event, done = in_flight.popleft()
@@ -260,6 +266,7 @@ class Pager:
                 done.close()
         if self._copy_stream is not None:
             slot.copied.record(self._copy_stream)
+        return nbytes
 
     def _finish_load(
         self, slot: _Slot, block: int, unpin: contextlib.ExitStack, start: float, nbytes: int

@@ -188,8 +188,11 @@ class Engine:
 
     def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
         if config.binds_store:
+            self.store.define_shadow(None)
             return HostViews(self.store, self.stats)
         layout = SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision)
+        # The host tier keeps the bf16 runs rounded (the disk tier's slots convert the fp32 it reads).
+        self.store.define_shadow(layout.shadow_runs if config.offload_dir is None else None)
         return Pager(
             self.store,
             config.device,

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from megatrain_lightning.store.host import Runs, shadow_index
 from megatrain_lightning.store.layout import ALIGN, Block
 
 RUN_ALIGN = ALIGN * 4  # bytes: every run starts ALIGN fp32 elements into the slot
@@ -147,6 +149,11 @@ class SlotLayout:
         )
         return slot[start : start + spec.numel * dtype.itemsize].view(dtype).view(spec.shape)
 
+    @functools.cached_property
+    def shadow_runs(self) -> list[Runs]:
+        """Per block, the store elements that sit in the slot in bf16: what the host tier's shadow holds."""
+        return [[(r.start, r.end) for r in runs if r.dtype != torch.float32] for runs in self.runs]
+
     def copy_in(
         self,
         block: int,
@@ -154,16 +161,28 @@ class SlotLayout:
         slot: Tensor,
         non_blocking: bool = False,
         span: tuple[int, int] | None = None,
-    ) -> None:
+        shadow: Tensor | None = None,
+    ) -> int:
         """Copy ``block``'s flat master weights ``src`` (or, with ``span``, its elements ``[start, stop)``: a
-        store chunk) into ``slot``, converting each run to its dtype."""
+        store chunk) into ``slot``, each run in its dtype: the bf16 runs from ``shadow`` (the store's bf16
+        copy of the same chunk, :data:`~megatrain_lightning.store.host.SHADOW`) when given, else converted
+        from ``src``. Returns the bytes read from the host."""
         lo, hi = span or (0, self.blocks[block].numel)
+        origin = shadow_index(self.shadow_runs[block], lo)
+        nbytes = 0
         for run in self.runs[block]:
             a, b = max(run.start, lo), min(run.end, hi)
             if a < b:
                 start = run.offset + (a - run.start) * run.dtype.itemsize
                 dst = slot[start : start + (b - a) * run.dtype.itemsize].view(run.dtype)
-                dst.copy_(src[a - lo : b - lo], non_blocking=non_blocking)
+                if shadow is not None and run.dtype != torch.float32:
+                    at = shadow_index(self.shadow_runs[block], a) - origin
+                    part = shadow[at : at + b - a]
+                else:
+                    part = src[a - lo : b - lo]
+                dst.copy_(part, non_blocking=non_blocking)
+                nbytes += part.nbytes
+        return nbytes
 
 
 def _align(nbytes: int) -> int:

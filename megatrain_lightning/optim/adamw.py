@@ -36,11 +36,12 @@ from torch.optim.adam import adam
 
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.optim import state_dict
+from megatrain_lightning.optim.bf16 import to_bf16_
 from megatrain_lightning.optim.hparams import Clip, GroupHparams
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.optim.state_dict import FP32_MOMENTS
 from megatrain_lightning.optim.updates import UpdateQueue
-from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.host import SHADOW, HostStore
 from megatrain_lightning.store.layout import align_up
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
@@ -300,8 +301,11 @@ class CPUAdamW(Optimizer):
             runs = self._runs(block, [i for i in indices if i in present])
             if runs:
                 plan.append((hparams[group], runs, {a for a, _, members in runs if steps[members[0]] == 0}))
+        # The shadow of the weights (bf16 compute, host tier) is refreshed in the same pass, if current.
+        shadow = self.store.shadow_runs(block) and self.store.shadow_is_current(block)
+        kinds = (*self.update_kinds, SHADOW) if shadow else self.update_kinds
         for span in self.store.spans(block):
-            with self.store.pinned_all(block, self.update_kinds, write=True, span=span) as flats:
+            with self.store.pinned_all(block, kinds, write=True, span=span) as flats:
                 self._update_pinned(block, span, flats, plan, clip)
             self.store.discard(block, "grad", span)
             self.store.written(block, ("param", *self.state_kinds), span)
@@ -365,8 +369,12 @@ class CPUAdamW(Optimizer):
                     eps=h.eps,
                     maximize=h.maximize,
                 )
+                for (a, b, _, _), _ in fp32:  # the shadow, while the new weights are in cache
+                    for x, y in self._shadowed(block, a, b, flats):
+                        to_bf16_(part("param", x, y), part(SHADOW, x, y))
             for (a, b, members, _), grad in zip(parts, grads, strict=True):
                 if a < q:
+                    shadow = [part(SHADOW, x, y) for x, y in self._shadowed(block, a, b, flats)]
                     quantized_adamw_(
                         part("param", a, b),
                         grad,
@@ -382,7 +390,14 @@ class CPUAdamW(Optimizer):
                         maximize=h.maximize,
                         seed=block,  # stochastic rounding's stream: the block's flat buffer
                         offset=a,
+                        shadow=shadow[0] if shadow else None,  # a parameter is in the shadow whole, or not
                     )
+
+    def _shadowed(self, block: int, a: int, b: int, flats: dict[str, Tensor]) -> list[tuple[int, int]]:
+        """The parts of elements ``[a, b)`` that the store's shadow holds, if this update refreshes it."""
+        if SHADOW not in flats:
+            return []
+        return [(max(a, x), min(b, y)) for x, y in self.store.shadow_runs(block) if max(a, x) < min(b, y)]
 
     def _runs(self, block: int, indices: list[int]) -> list[tuple[int, int, list[int]]]:
         """Neighbouring parameters with equal step counts and fp32 moments, merged: ``(start, end,

@@ -1,5 +1,8 @@
 """The compiled quantized-AdamW kernel: built once per machine, loaded once per process.
 
+It also rounds weights to bf16 for the host tier's shadow (:mod:`.bf16`): inside the quantized step, and
+on its own after torch's Adam for fp32 moments.
+
 ``csrc/quantized_adamw.cpp`` is compiled with the system C++ compiler (no torch headers, no ninja)
 into a per-user cache: ``$MEGATRAIN_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/megatrain_lightning/kernels``,
 else ``~/.cache/megatrain_lightning/kernels``, else (when none of those can be created) a folder of
@@ -34,7 +37,7 @@ from megatrain_lightning.optim import codecs
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quantized_adamw.cpp"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _TABLE_FLOATS = 93
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 # tried in this order; the first that compiles is used (without OpenMP the kernel runs on one thread)
@@ -72,7 +75,7 @@ class _Kernel:
         fn = lib.mq_adamw_step
         fn.restype = ctypes.c_int
         fn.argtypes = [
-            *[ctypes.c_void_p] * 6,
+            *[ctypes.c_void_p] * 7,
             ctypes.c_int64,
             ctypes.c_int,
             ctypes.c_void_p,
@@ -82,6 +85,10 @@ class _Kernel:
             ctypes.c_int64,
         ]
         self.step = fn
+        to_bf16 = lib.mq_to_bf16
+        to_bf16.restype = ctypes.c_int
+        to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        self.to_bf16 = to_bf16
         self.path = path
 
 
@@ -212,7 +219,8 @@ def prepare() -> str:
     returns :func:`backend`."""
     if _kernel is None and _kernel_error is None:
         rank_zero_info(
-            f"megatrain: preparing the compressed-state AdamW kernel (built once, in {cache_dir()})"
+            f"megatrain: preparing the compiled AdamW kernel (compressed state, bf16 shadow; built once, in "
+            f"{cache_dir()})"
         )
         start = time.perf_counter()
         load_kernel()

@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - numpy comes with transformers
     np = None
 
-from megatrain_lightning.optim import codecs, kernel, packing, rounding
+from megatrain_lightning.optim import bf16, codecs, kernel, packing, rounding
 from megatrain_lightning.optim.codecs import ALIGN, FORMATS
 
 _FALLBACK_CHUNK = 1 << 20  # elements per step of the torch fallback (a multiple of ALIGN)
@@ -168,6 +168,7 @@ def quantized_adamw_(
     stochastic: tuple[str, ...] | None = None,
     seed: int = 0,
     offset: int = 0,
+    shadow: Tensor | None = None,
     num_threads: int | None = None,
     use_kernel: bool | None = None,
 ) -> None:
@@ -188,10 +189,14 @@ def quantized_adamw_(
     choice, ``FORMATS[bits].stochastic``; table formats only): element ``offset + i`` of the stream
     ``seed`` (e.g. a block, whose flat buffer starts at offset 0) draws ``rounding.uniforms`` keyed by
     ``rounding.rounding_keys(seed, step)``, so the result does not depend on how a block is cut into
-    slices or threads. ``num_threads`` defaults to ``torch.get_num_threads()``; ``use_kernel=False``
-    forces the torch fallback, ``True`` requires the compiled kernel.
+    slices or threads. ``shadow``: a bf16 tensor of ``param``'s size that receives the updated weights
+    rounded as ``Tensor.to(torch.bfloat16)`` rounds them (:mod:`.bf16`), in the same pass.
+    ``num_threads`` defaults to ``torch.get_num_threads()``; ``use_kernel=False`` forces the torch
+    fallback, ``True`` requires the compiled kernel.
     """
     _validate(param, grad, m_codes, m_scales, v_codes, v_scales, bits)
+    if shadow is not None:
+        bf16.check(param, shadow)
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize)
     sr = _rounding(bits, FORMATS[bits].stochastic if stochastic is None else stochastic, seed, step, offset)
     n = param.numel()
@@ -204,6 +209,8 @@ def quantized_adamw_(
         if use_kernel is None:
             kernel.warn_fallback()
         _torch_step(param, grad, m_codes, m_scales, v_codes, v_scales, bits, h, sr)
+        if shadow is not None:
+            bf16.torch_to_bf16_(param, shadow)
         return
     threads = num_threads if num_threads is not None else torch.get_num_threads()
     hyper = (ctypes.c_float * 9)(*h.floats())
@@ -214,6 +221,7 @@ def quantized_adamw_(
         m_scales.data_ptr(),
         v_codes.data_ptr(),
         v_scales.data_ptr(),
+        shadow.data_ptr() if shadow is not None else None,
         n,
         bits,
         ctypes.addressof(hyper),

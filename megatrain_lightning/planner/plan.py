@@ -7,26 +7,30 @@ method                 GPU                                    host              
 =====================  =====================================  ===========================  ===========
 plain AdamW            16 B/param + activations               0                            0
 ZeRO-Offload           compute dtype B/param + activations    16 B/param                   0
-megatrain, host tier   the 2 largest blocks + activations     store + 4 B/param gradients  0
+megatrain, host tier   the 2 largest blocks + activations     store + shadow + 4 B/param    0
+                                                              gradients
 megatrain, disk tier   the 2 largest blocks + activations     the blocks in use (fp32)     host's need
 =====================  =====================================  ===========================  ===========
 
 where the megatrain store is 4 B/param of fp32 master weights plus the Adam state: 8 (fp32),
 about 2.05 (int8), 1.09 (int4), 0.88 (int3) or 0.69 (int2) B/param (``codecs.state_bytes``: codes
-plus one fp32 scale per block). The host tier is chosen when the store and
-the gradient buffer fit in RAM; otherwise both live on disk (as the strategy lays them out) and
-the RAM caches them, at least the blocks in use. Beside either, the gradient offload pins two
-staging buffers of the largest block in fp32. Slots come in pools, one per block size on the device
-(the compute dtype except what stays fp32 under mixed precision: embeddings, norms, biases), sized from
-the GPU memory left beside the activations by the engine's own rule (:func:`.slots.slot_pools`): at least
-the two largest blocks, every block when they all fit.
+plus one fp32 scale per block), and on the host tier under bf16 compute the shadow: 2 B/param of bf16
+weights for the parameters that sit in the slots in bf16 (``store/host.py``). The host tier is chosen
+when the store, the shadow and the gradient buffer fit in RAM; otherwise the store and the gradients
+live on disk (as the strategy lays them out, without a shadow) and the RAM caches them, at least
+the blocks in use. Beside either, the gradient offload pins two staging buffers of the largest block
+in fp32. Slots come in pools, one per block size on the device (the compute dtype except what stays
+fp32 under mixed precision: embeddings, norms, biases), sized from the GPU memory left beside the
+activations by the engine's own rule (:func:`.slots.slot_pools`): at least the two largest blocks,
+every block when they all fit.
 Activations assume per-block checkpointing (block-boundary hidden states, one block's full
 activations for the recompute, and the logits) unless the workload turns it off; attention is
 assumed memory-efficient (no seq x seq scores).
 
 The step-time lower bound is the largest of compute (6 x params x tokens / FLOP/s), link
-transfer (weights in for forward and backward in the compute dtype, fp32 gradients out, per
-micro-batch) and, on the disk tier, the least traffic the step's schedule allows through the host cache
+transfer (weights in for forward and backward, fp32 gradients out, per micro-batch; the weights cross
+in their slot dtype from the host tier's shadow, in fp32 from the disk tier, whose slots convert)
+and, on the disk tier, the least traffic the step's schedule allows through the host cache
 (:func:`megatrain_lightning.planner.traffic.least_disk_traffic`).
 :func:`plan_for` is what the strategy calls to resolve ``"auto"`` options;
 :func:`megatrain_lightning.planner.table.format_plan` prints the table of ``megatrain plan``.
@@ -87,6 +91,14 @@ class ModelShape:
     @property
     def num_blocks(self) -> int:
         return len(self.block_numels)
+
+    def shadow_numel(self, dtype_bytes: int) -> int:
+        """Parameters narrower than fp32 on the device in a compute dtype of ``dtype_bytes`` (none in fp32):
+        what the host tier's shadow holds and the link carries at ``dtype_bytes`` each."""
+        if dtype_bytes >= MASTER_BYTES:
+            return 0
+        kept = self.fp32_numels or (0,) * self.num_blocks
+        return sum(n - k for n, k in zip(self.block_numels, kept, strict=True))
 
     def block_bytes(self, dtype_bytes: int) -> tuple[int, ...]:
         """Each block's bytes on the device in a compute dtype of ``dtype_bytes``, its fp32-kept parameters
@@ -327,14 +339,16 @@ def _megatrain_row(
     disk: float,
 ) -> Row:
     n = shape.num_params
+    cd = DTYPE_BYTES[workload.compute_dtype]
     store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
+    shadow = shape.shadow_numel(cd) * cd  # the host tier's weights in the compute dtype
     staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
     budget = max(vram - act, 0.0)
     pools = slot_pools(block_bytes, budget)
     num_slots, slots = sum(n for _, n in pools), sum(size * n for size, n in pools)
     gpu_need = sum(sorted(block_bytes, reverse=True)[:OVERLAP]) + act
-    if store + staging <= ram:
-        tier, cache, host_need, disk_need = "host", store, store + staging, 0.0
+    if store + shadow + staging <= ram:
+        tier, cache, host_need, disk_need = "host", store + shadow, store + shadow + staging, 0.0
     else:
         tier, disk_need = "disk", store
         cache = max(min(ram - staging, store), 0.0)
@@ -343,10 +357,12 @@ def _megatrain_row(
     # What the chosen settings use; where they do not fit, the least megatrain needs.
     gpu, host = (slots + act, cache + staging) if fits else (gpu_need, host_need)
     micro = workload.micro_batches
-    cd = DTYPE_BYTES[workload.compute_dtype]
-    # With every block resident, weights come in once per step (after the update); else twice per micro-batch.
+    # With every block resident, weights come in once per step (after the update); else twice per micro-batch:
+    # from the host tier's shadow in the compute dtype, from the disk tier in fp32 (its slots convert).
+    narrow = shape.shadow_numel(cd) if tier == "host" else 0
+    fetch_bytes = narrow * cd + (n - narrow) * MASTER_BYTES
     fetches = 1 if num_slots >= shape.num_blocks else 2 * micro
-    link_s = (fetches * cd + micro * GRAD_BYTES) * n / (machine.pcie_gbps * GB)
+    link_s = (fetches * fetch_bytes + micro * GRAD_BYTES * n) / (machine.pcie_gbps * GB)
     disk_s = (
         sum(disk_traffic(shape, compression, micro, cache)) / (machine.disk_gbps * GB)
         if tier == "disk"

@@ -10,6 +10,13 @@ A block's buffers are also cut into *chunks* (``spans``: the same element ranges
 the disk tier caches, reads and writes: callers on the hot path (fetch, gradient add, update) pin one
 ``span`` at a time, so the memory they need is a few chunks, whatever the block size.
 
+Under bf16 compute the host tier also keeps a *shadow* (kind ``SHADOW``): the weights that sit in the
+device slots in bf16, already rounded to bf16 (``define_shadow``), so 2 bytes per parameter cross the
+link instead of 4 and nothing is converted on the device. It always equals the master rounded
+(:mod:`megatrain_lightning.optim.bf16`): the update refreshes what it changes in the same pass, every
+other writer of the weights (``rewriting``, a failed update) leaves it stale, and a stale or freed
+shadow is rebuilt from the weights when next read. The disk tier keeps none: its slots convert.
+
 The store also keeps the rule that makes asynchronous updates safe: whoever is about to change a
 block's weights says so first (``will_change``, with the future of an update running elsewhere).
 That moves the block's ``version`` on, so every copy taken before (a device slot) knows it is stale,
@@ -36,11 +43,21 @@ from megatrain_lightning.telemetry.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
+SHADOW = "shadow"  # bf16 copies of the weights that are bf16 on the device (see the module docstring)
+Runs = list[tuple[int, int]]  # a block's element ranges [start, stop) in order, apart
+
+
+def shadow_index(runs: Runs, element: int) -> int:
+    """Where block element ``element`` (or the first after it in ``runs``) sits in the shadow of ``runs``:
+    the shadow holds the elements of ``runs`` one after another."""
+    return sum(min(max(element, a), b) - a for a, b in runs)
+
 
 class HostStore:
     """Per-block flat host buffers by kind (``param``, ``grad``, ``exp_avg``, ...), all in RAM."""
 
     drops_discarded = False  # whether ``discard`` loses the contents (the disk tier's cache does)
+    _shadow_runs: list[Runs] | None = None  # per block, the elements the shadow holds (None: no shadow)
 
     def __init__(
         self,
@@ -58,6 +75,9 @@ class HostStore:
         self._lock = threading.Lock()
         self._versions = [0] * len(blocks)
         self._changes: dict[int, Future] = {}  # block -> the update changing it (kept once done)
+        self._stale_shadows: set[int] = set()  # blocks whose shadow buffer no longer equals the weights
+        self._shadow_writes = [0] * len(blocks)  # moves on with every other write of a block's weights
+        self._shadow_lock = threading.Lock()  # one rebuild of a stale shadow at a time
 
     def define_kind(
         self, kind: str, dtype: torch.dtype, numel: Callable[[Block], int], span: Span | None = None
@@ -66,6 +86,42 @@ class HostStore:
         ``span(block, start, stop)`` is the range of them that block elements ``[start, stop)`` own
         (default: the same range). Over a block's ``spans`` these ranges must cover the buffer in order."""
         self._kinds[kind] = (dtype, numel, span or _same_span)
+
+    def define_shadow(self, runs: list[Runs] | None) -> None:
+        """Keep a bf16 shadow of each block's element ranges ``runs[block]`` (the weights that are bf16 on the
+        device), or none (``None``). Buffers of another definition are freed; the new ones are filled from
+        the weights when first read. Not while updates run."""
+        runs = [list(r) for r in runs] if runs and any(runs) else None
+        if runs == self._shadow_runs:
+            return
+        with self._lock:
+            for key in [key for key in self._buffers if key[1] == SHADOW]:
+                del self._buffers[key]
+            self._shadow_runs = runs
+            if runs is None:
+                self._kinds.pop(SHADOW, None)
+                return
+            self._kinds[SHADOW] = (
+                torch.bfloat16,
+                lambda b: shadow_index(runs[b.index], b.numel),
+                lambda b, start, stop: (
+                    shadow_index(runs[b.index], start),
+                    shadow_index(runs[b.index], stop),
+                ),
+            )
+
+    @property
+    def has_shadow(self) -> bool:
+        return self._shadow_runs is not None
+
+    def shadow_runs(self, block: int) -> Runs:
+        """The element ranges of ``block`` the shadow holds (none without a shadow)."""
+        return self._shadow_runs[block] if self._shadow_runs is not None else []
+
+    def shadow_is_current(self, block: int) -> bool:
+        """Whether ``block``'s shadow buffer exists and equals its weights rounded: an update then refreshes
+        the parts it changes (else the next read rebuilds it whole)."""
+        return (block, SHADOW) in self._buffers and block not in self._stale_shadows
 
     def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
         dtype, numel, _ = self._kinds.get(kind, _FP32)
@@ -111,11 +167,14 @@ class HostStore:
         result_of(change)
 
     def accept_failed_changes(self) -> None:
-        """The run whose changes failed has stopped and reported it: read those blocks as they are."""
+        """The run whose changes failed has stopped and reported it: read those blocks as they are (their
+        shadows, perhaps half refreshed, are rebuilt from them)."""
         with self._lock:
             for block, change in list(self._changes.items()):
                 if change.done() and change.exception() is not None:
                     del self._changes[block]
+                    self._stale_shadows.add(block)
+                    self._shadow_writes[block] += 1
 
     @contextlib.contextmanager
     def pinned(
@@ -123,9 +182,12 @@ class HostStore:
     ) -> Iterator[Tensor]:
         """The flat buffer of ``kind`` for ``block`` (zeros until first written), or the part of it that
         block elements ``span`` own, held for the context. A read waits for the block's announced change;
-        a writer is the change, or ordered after it."""
+        a writer is the change, or ordered after it. Weights are written by the block's update (which
+        refreshes the shadow of what it changes) or through ``rewriting``."""
         if not write:
             self.wait_for_change(block)
+            if kind == SHADOW:
+                self._rebuild_shadow(block)
         start, stop = self.kind_span(block, kind, span)
         yield self._buffer(block, kind)[start:stop]
 
@@ -135,8 +197,17 @@ class HostStore:
         pending change, copies taken before go stale, and the new contents are written back."""
         self.wait_for_change(block)
         self.will_change(block)
-        with self.pinned(block, kind, write=True) as flat:
-            yield flat
+        if kind != "param":
+            with self.pinned(block, kind, write=True) as flat:
+                yield flat
+            self.written(block, [kind])
+            return
+        self._invalidate_shadow(block)  # before (a failed write leaves it stale) and after (a rebuild
+        try:  # that read the weights meanwhile does not count)
+            with self.pinned(block, kind, write=True) as flat:
+                yield flat
+        finally:
+            self._invalidate_shadow(block)
         self.written(block, [kind])
 
     @contextlib.contextmanager
@@ -150,6 +221,8 @@ class HostStore:
     def read(self, block: int, kind: str) -> Tensor:
         """The current contents, for callers that keep them (state dicts): the buffer itself here."""
         self.wait_for_change(block)
+        if kind == SHADOW:
+            self._rebuild_shadow(block)
         return self._buffer(block, kind)
 
     def written(self, block: int, kinds: Iterable[str], span: tuple[int, int] | None = None) -> None:
@@ -199,10 +272,40 @@ class HostStore:
                 if buf is None:
                     dtype, numel = self.layout(block, kind)
                     # Only weights cross to the device; gradients and optimizer state stay pageable.
-                    pinned = self.pin_memory and kind == "param"
+                    pinned = self.pin_memory and kind in ("param", SHADOW)
                     buf = host_empty(numel, dtype, pinned)  # zeros: fresh pages
                     self._buffers[key] = buf
         return buf
+
+    def _rebuild_shadow(self, block: int) -> None:
+        """Make ``block``'s shadow its weights rounded, if stale or not there (after the block's change)."""
+        if self.shadow_is_current(block) or not self.shadow_runs(block):
+            return
+        from megatrain_lightning.optim.bf16 import to_bf16_  # the kernel's rounding (optim builds it)
+
+        with self._shadow_lock:
+            if self.shadow_is_current(block):
+                return
+            with self._lock:  # a change that runs meanwhile (or begins) leaves the copy stale, as a slot's
+                change = self._changes.get(block)
+                settled = change is None or change.done()
+                before = self._shadow_writes[block], self._versions[block]
+            runs, shadow, weights = (
+                self.shadow_runs(block),
+                self._buffer(block, SHADOW),
+                self._buffer(block, "param"),
+            )
+            for a, b in runs:
+                start = shadow_index(runs, a)
+                to_bf16_(weights[a:b], shadow[start : start + b - a])
+            with self._lock:
+                if settled and (self._shadow_writes[block], self._versions[block]) == before:
+                    self._stale_shadows.discard(block)
+
+    def _invalidate_shadow(self, block: int) -> None:
+        with self._lock:
+            self._stale_shadows.add(block)
+            self._shadow_writes[block] += 1
 
 
 Span = Callable[[Block, int, int], tuple[int, int]]

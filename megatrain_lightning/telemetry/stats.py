@@ -13,7 +13,7 @@ class EngineStats:
     peak_slot_bytes: int = 0  # most parameter bytes ever resident in device slots at once
     fetch_wait_s: float = 0.0  # compute-thread time spent waiting for a block to become resident
     host_bytes: int = 0  # host RAM the store (weights, gradients, optimizer state) and gradient staging hold
-    h2d_bytes: int = 0  # parameter bytes copied host -> device slots
+    h2d_bytes: int = 0  # bytes read from host memory into device slots (bf16 runs from the shadow: 2 each)
     h2d_s: float = 0.0  # time spent in those copies (worker and compute threads)
     d2h_bytes: int = 0  # gradient bytes copied device -> host
     optimizer_s: float = 0.0  # time spent in block updates (worker threads)

@@ -158,6 +158,18 @@ inline float bfloat(uint32_t u) {
   return x;
 }
 
+// fp32 -> bf16, round to nearest even (Tensor.to(torch.bfloat16) for every number and infinity); every
+// NaN becomes the quiet NaN 0x7fc0, as the torch fallback (optim/bf16.py) writes it. A loop the compiler
+// vectorizes: the compute-dtype shadow of the updated weights, written while they sit in L1.
+inline void to_bf16(const float* __restrict src, uint16_t* __restrict dst, int n) {
+  for (int i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = (u & 0x7fffffffu) > INF_BITS ? (uint16_t)0x7fc0u : (uint16_t)r;
+  }
+}
+
 struct Hyper {
   float decay, wd, b1, omb1, b2, omb2, ibc2, eps, nstep;
   // stochastic rounding of the table formats' m / v codes, keyed per (stream, step): see draws()
@@ -922,8 +934,8 @@ inline void one_chunk(float* p, const float* g, uint8_t* mc, float* ms, uint8_t*
 }
 
 template <class F, bool MAXIMIZE, bool L2>
-void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, int64_t n,
-         const Hyper& h, int nthreads, int64_t offset) {
+void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, uint16_t* shadow,
+         int64_t n, const Hyper& h, int nthreads, int64_t offset) {
   const int64_t full = n / CHUNK;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && full > 16)
@@ -961,11 +973,13 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
 #if defined(MQ_PASS1)
       if constexpr (F::MW == 8) {
         MQ_PASS1<MAXIMIZE, L2, false>(pc, gc, mcc, msc, vcc, vsc, h, CHUNK, staged[c & 1]);
+        if (shadow) to_bf16(pc, shadow + c * CHUNK, CHUNK);  // pass 1 wrote the chunk's weights
         if (c > c0) MQ_PASS2(staged[(c - 1) & 1]);
         continue;
       }
 #endif
       one_chunk<F, MAXIMIZE, L2>(pc, gc, mcc, msc, vcc, vsc, h, CHUNK, offset + c * CHUNK);
+      if (shadow) to_bf16(pc, shadow + c * CHUNK, CHUNK);
     }
 #if defined(MQ_PASS1)
     if constexpr (F::MW == 8) {
@@ -1003,6 +1017,7 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
   one_chunk<F, MAXIMIZE, L2>(tp, tg, tmc, tms, tvc, tvs, h, rest, offset + c * CHUNK);
 #endif
   std::memcpy(p + c * CHUNK, tp, rest * sizeof(float));
+  if (shadow) to_bf16(tp, shadow + c * CHUNK, rest);
   std::memcpy(mcc, tmc, mbytes);
   std::memcpy(vcc, tvc, vbytes);
   // keep the code bits of the elements after the slice in a shared last byte
@@ -1019,14 +1034,14 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
 }
 
 template <class F>
-void dispatch_flags(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs,
+void dispatch_flags(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, uint16_t* sh,
                     int64_t n, const Hyper& h, int maximize, int l2, int nthreads, int64_t offset) {
   if (maximize) {
-    if (l2) run<F, true, true>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
-    else run<F, true, false>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
+    if (l2) run<F, true, true>(p, g, mc, ms, vc, vs, sh, n, h, nthreads, offset);
+    else run<F, true, false>(p, g, mc, ms, vc, vs, sh, n, h, nthreads, offset);
   } else {
-    if (l2) run<F, false, true>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
-    else run<F, false, false>(p, g, mc, ms, vc, vs, n, h, nthreads, offset);
+    if (l2) run<F, false, true>(p, g, mc, ms, vc, vs, sh, n, h, nthreads, offset);
+    else run<F, false, false>(p, g, mc, ms, vc, vs, sh, n, h, nthreads, offset);
   }
 }
 
@@ -1034,7 +1049,7 @@ void dispatch_flags(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* v
 
 extern "C" {
 
-int mq_abi_version() { return 3; }
+int mq_abi_version() { return 4; }
 
 const char* mq_isa() {
 #if defined(__AVX512F__)
@@ -1069,20 +1084,35 @@ void mq_tables(float* out) {
 // hyper: decay, wd, beta1, 1-beta1, beta2, 1-beta2, 1/sqrt(bc2), eps, -lr/bc1 (all float32).
 // bits: the format (8, 4, 3 or 2). sr: bit 0 rounds m stochastically, bit 1 v (table formats only), with
 // the keys key_m / key_v; offset: the index of p[0] in the stream of random numbers. Returns 0 on
-// success, -1 for bad arguments.
-int mq_adamw_step(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, int64_t n,
-                  int bits, const float* hyper, int maximize, int l2, int nthreads, int sr, uint32_t key_m,
-                  uint32_t key_v, int64_t offset) {
+// success, -1 for bad arguments. shadow (may be null): n bf16 values, each updated weight rounded to it.
+int mq_adamw_step(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, uint16_t* shadow,
+                  int64_t n, int bits, const float* hyper, int maximize, int l2, int nthreads, int sr,
+                  uint32_t key_m, uint32_t key_v, int64_t offset) {
   if (n < 0 || (bits != 8 && bits != 4 && bits != 3 && bits != 2) || (bits == 8 && sr)) return -1;
   if (n == 0) return 0;
   Hyper h{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5],
           hyper[6], hyper[7], hyper[8], (sr & 1) != 0, (sr & 2) != 0, key_m, key_v};
   if (nthreads < 1) nthreads = 1;
   switch (bits) {
-    case 8: dispatch_flags<Int8>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
-    case 4: dispatch_flags<Int4>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
-    case 3: dispatch_flags<Int3>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
-    default: dispatch_flags<Int2>(p, g, mc, ms, vc, vs, n, h, maximize, l2, nthreads, offset); break;
+    case 8: dispatch_flags<Int8>(p, g, mc, ms, vc, vs, shadow, n, h, maximize, l2, nthreads, offset); break;
+    case 4: dispatch_flags<Int4>(p, g, mc, ms, vc, vs, shadow, n, h, maximize, l2, nthreads, offset); break;
+    case 3: dispatch_flags<Int3>(p, g, mc, ms, vc, vs, shadow, n, h, maximize, l2, nthreads, offset); break;
+    default: dispatch_flags<Int2>(p, g, mc, ms, vc, vs, shadow, n, h, maximize, l2, nthreads, offset); break;
+  }
+  return 0;
+}
+
+// dst[i] = src[i] rounded to bf16 (to_bf16) for i < n, OpenMP across nthreads: the shadow of weights that
+// torch's own Adam updated (fp32 moments). Returns 0, or -1 for bad arguments.
+int mq_to_bf16(const float* src, uint16_t* dst, int64_t n, int nthreads) {
+  if (n < 0) return -1;
+  const int64_t blocks = (n + CHUNK - 1) / CHUNK;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads < 1 ? 1 : nthreads) if (nthreads > 1 && blocks > 64)
+#endif
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t a = b * CHUNK;
+    to_bf16(src + a, dst + a, (int)std::min<int64_t>(CHUNK, n - a));
   }
   return 0;
 }
