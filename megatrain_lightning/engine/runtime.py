@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
+from megatrain_lightning.engine.distributed import GatheredViews, Shard, ShardedGrads, ShardedHostStore
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
@@ -85,6 +86,7 @@ class EngineConfig:
     keep_offload_dir: bool = False
     io: IOConfig = field(default_factory=IOConfig)
     zero_copy: bool = True  # where the device is the host, compute on the store's weights (host_views.py)
+    shard: Shard | None = None  # data parallel: this rank's share of every block (engine/distributed.py)
 
     @property
     def binds_store(self) -> bool:
@@ -99,6 +101,8 @@ class EngineConfig:
         )
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
+        if self.shard is not None:
+            return ShardedHostStore(blocks, self.shard, stats, self.io.chunk_numel)
         if self.offload_dir is None:
             return HostStore(blocks, self.pin_memory, stats, self.io.chunk_numel)
         return DiskStore(
@@ -136,7 +140,9 @@ class Engine:
         self.weights = weights
         self.store = weights.store
         self.locations = weights.locations
-        self.grads = HostGrads(self.store, config.device, self.stats)
+        self.grads = (ShardedGrads if config.shard is not None else HostGrads)(
+            self.store, config.device, self.stats
+        )
         self.optimizer: Any = None  # CPUAdamW once fitting
         self._cadence = UpdateCadence()
         self._anchor = torch.zeros((), requires_grad=True)
@@ -187,6 +193,9 @@ class Engine:
         self.pager = self._make_pager(config)
 
     def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
+        if config.shard is not None:
+            layout = SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision)
+            return GatheredViews(self.store, self.stats, layout)
         if config.binds_store:
             return HostViews(self.store, self.stats)
         return Pager(
@@ -425,7 +434,7 @@ def _nothing() -> None:
 
 
 def _check_same_tier(built_for: EngineConfig, config: EngineConfig) -> None:
-    fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir")
+    fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir", "shard")
     if any(getattr(config, f) != getattr(built_for, f) for f in fixed):
         raise MisconfigurationException(
             f"megatrain: this model's store was built for {built_for.device} with offload_dir="

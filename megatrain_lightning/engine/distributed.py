@@ -1,0 +1,240 @@
+"""Data parallel over ``torch.distributed``: every rank holds 1/world of each block (ZeRO-3 over the store).
+
+A block's flat buffers (weights, gradient sums, Adam moments) are cut into ``world`` equal shards, each
+padded to whole ``ALIGN``s; rank ``r`` owns block elements ``[r * size, (r + 1) * size)`` and its store
+holds only that shard, so adding ranks divides the store. The pieces keep the single-rank interfaces:
+
+- :class:`ShardedHostStore`: ``spans`` are the rank's own chunks, so everything that works chunk by chunk
+  (gradient sums, the optimizer's update) touches only the shard, unchanged. A whole-block read (a
+  forward's weights, ``state_dict``) is an ``all_gather_into_tensor`` of the shards; a whole-block write
+  (adopting or loading weights) takes rank 0's block and keeps the own shard.
+- :class:`GatheredViews`: the pager of a sharded engine: each acquire gathers the block (waiting for the
+  shard's pending update first), in the compute dtype.
+- :class:`ShardedGrads`: a call's gradients are ``reduce_scatter``ed (sum, then the mean Lightning's DDP
+  gives) and each rank adds its shard to its sums. In micro-batches that only accumulate they are summed
+  locally in full, without communication, and reduced once with the stepping micro-batch's.
+
+Every collective runs in the compute thread, in the order the model's forward and backward visit blocks,
+which is the same on every rank: a rank never reorders them by timing (no prefetch, no worker threads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+
+from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.host_views import HostViews
+from megatrain_lightning.engine.slots import SlotLayout
+from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.layout import Block, align_up, chunk_spans
+from megatrain_lightning.telemetry.stats import EngineStats
+
+# ``reduce_scatter_tensor`` is deprecated in favour of ``reduce_scatter_single`` where that exists.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place among ``world`` ranks (the default process group)."""
+
+    rank: int
+    world: int
+
+    def size(self, block: Block) -> int:
+        """Elements each rank holds of ``block``: an equal share, padded to whole ``ALIGN``s."""
+        return align_up(-(-block.numel // self.world))
+
+    def owned(self, block: Block) -> tuple[int, int]:
+        """The block elements this rank owns (padding excluded; empty for a rank past a small block's end)."""
+        start = self.rank * self.size(block)
+        return min(start, block.numel), min(start + self.size(block), block.numel)
+
+
+class ShardedHostStore(HostStore):
+    """A host store holding this rank's shard of every block's buffers (see the module docstring)."""
+
+    def __init__(self, blocks: list[Block], shard: Shard, stats: EngineStats, chunk_numel: int) -> None:
+        super().__init__(blocks, pin_memory=False, stats=stats, chunk_numel=chunk_numel)
+        self.shard = shard
+        self.gathered_bytes = 0  # fp32 bytes received by all-gathers (other ranks' shards)
+
+    def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
+        dtype, _ = super().layout(block, kind)
+        return dtype, self.shard.size(self.blocks[block])
+
+    def spans(self, block: int) -> list[tuple[int, int]]:
+        """This rank's chunks of ``block`` (none when it owns nothing of a small block)."""
+        lo, hi = self.shard.owned(self.blocks[block])
+        return [(lo + a, lo + b) for a, b in chunk_spans(hi - lo, self.chunk_numel)] if hi > lo else []
+
+    def kind_span(self, block: int, kind: str, span: tuple[int, int] | None) -> tuple[int, int]:
+        size = self.shard.size(self.blocks[block])
+        if span is None:
+            return 0, size
+        base = self.shard.rank * size
+        start, stop = span[0] - base, span[1] - base
+        if not 0 <= start <= stop <= size:
+            raise RuntimeError(
+                f"megatrain: elements {span} of block {block} are not on rank {self.shard.rank}"
+            )
+        return start, stop
+
+    @contextlib.contextmanager
+    def pinned(
+        self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
+    ) -> Iterator[Tensor]:
+        """With ``span``: that part of the own shard. Without: a gathered copy of the whole block (a read;
+        collective, like a full ``state_dict`` under FSDP)."""
+        if span is not None:
+            with super().pinned(block, kind, write, span) as flat:
+                yield flat
+            return
+        if kind in ("grad", "grad_pass"):
+            raise MisconfigurationException(
+                "megatrain with more than one device keeps each rank's share of the gradients only, so "
+                "`param.grad` cannot be read; clip with `Trainer(gradient_clip_val=...)`, which uses the "
+                "global norm across ranks."
+            )
+        if write:
+            raise RuntimeError("megatrain: a sharded store writes whole blocks through `rewriting` only")
+        yield self.read(block, kind)
+
+    def read(self, block: int, kind: str) -> Tensor:
+        """The whole block's ``kind``, gathered from every rank's shard (a fresh buffer; collective)."""
+        self.wait_for_change(block)
+        return self.gather(block, kind)
+
+    def gather(self, block: int, kind: str) -> Tensor:
+        spec = self.blocks[block]
+        shard = self._buffer(block, kind)
+        full = torch.empty(shard.numel() * self.shard.world, dtype=shard.dtype)
+        dist.all_gather_into_tensor(full, shard)
+        self.gathered_bytes += full.nbytes - shard.nbytes
+        return full[: spec.numel]
+
+    @contextlib.contextmanager
+    def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
+        """The whole block to change in place (collective): it starts as gathered; what rank 0 leaves in
+        it becomes every rank's, each keeping its shard (the ranks' models might differ, rank 0's wins)."""
+        self.wait_for_change(block)
+        self.will_change(block)
+        shard = self._buffer(block, kind)
+        full = torch.empty(shard.numel() * self.shard.world, dtype=shard.dtype)
+        dist.all_gather_into_tensor(full, shard)
+        yield full[: self.blocks[block].numel]
+        dist.broadcast(full, src=0)
+        base = self.shard.rank * shard.numel()
+        shard.copy_(full[base : base + shard.numel()])
+        self.written(block, [kind])
+
+
+class GatheredViews(HostViews):
+    """The pager of a sharded engine: ``acquire`` gathers the block from every rank, in the compute dtype
+    (fp32: the gathered buffer itself; otherwise converted as a slot would be)."""
+
+    def __init__(self, store: ShardedHostStore, stats: EngineStats, layout: SlotLayout) -> None:
+        super().__init__(store, stats)
+        self.layout = layout
+
+    def acquire(self, block: int, backward: bool) -> Tensor:
+        flat = super().acquire(block, backward)  # the store's read: gathered, after any pending update
+        if self.layout.compute_dtype == torch.float32:
+            return flat
+        slot = torch.empty(self.layout.block_bytes[block], dtype=torch.uint8, device=flat.device)
+        self.layout.copy_in(block, flat.view(torch.float32), slot)
+        return slot
+
+    def view(self, block: int, index: int, slot: Tensor) -> Tensor:
+        return self.layout.view(block, index, slot)
+
+
+class ShardedGrads(HostGrads):
+    """Gradient sums of this rank's shards. ``reduce_at_once`` (set by the optimizer while its step's
+    closure runs): each offload is reduce-scattered at once; otherwise gradients are summed locally in full
+    until :meth:`reduce_local` (or the next offload while reducing) reduces them."""
+
+    def __init__(self, store: ShardedHostStore, device: torch.device, stats: EngineStats) -> None:
+        super().__init__(store, device, stats, asynchronous=False)
+        self.shard = store.shard
+        self.reduce_at_once = False
+        self.reduced_bytes = 0  # fp32 bytes each rank sent into reduce-scatters
+        self._local: dict[int, tuple[Tensor, set[int]]] = {}  # block -> (full local sum, its indices)
+
+    def offload(self, block: int, grads: dict[int, Tensor], final: bool, then: Callable[[], None]) -> None:
+        flat, present = self._local.pop(block, None) or (self._padded(block), set())
+        params = self.store.blocks[block].params
+        for index, grad in grads.items():
+            part = flat[params[index].offset : params[index].offset + params[index].numel]
+            self._add_into(part, grad.reshape(-1), index in present)
+        present.update(grads)
+        if not self.reduce_at_once:
+            self._local[block] = (flat, present)
+            then()
+            return
+        super().offload(block, self._reduce(block, flat, present), final, then)
+
+    def reduce_local(self) -> None:
+        """Reduce every block's local sums (of micro-batches that only accumulated, or a manual backward)
+        into the shards; collective, in block order (a block only one rank has sums of included)."""
+        pending = torch.zeros(len(self.store.blocks), dtype=torch.int32)
+        pending[list(self._local)] = 1
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        for block in pending.nonzero().flatten().tolist():
+            flat, present = self._local.pop(block, None) or (self._padded(block), set())
+            super().offload(block, self._reduce(block, flat, present), True, _nothing)
+
+    def clear(self) -> None:
+        try:
+            super().clear()
+        finally:
+            self._local.clear()
+
+    def squared_norm(self, clamp: float | None) -> Tensor:
+        """Sum of squares (fp64) of this rank's gradient shards, after clamping them to ``±clamp``."""
+        self.flush()
+        total = torch.zeros((), dtype=torch.float64)
+        for block in range(len(self.store.blocks)):
+            present = self.present(block)
+            for span in self.store.spans(block):
+                with self.store.pinned(block, "grad", write=clamp is not None, span=span) as flat:
+                    for _, a, b, _ in self._parts(block, span, present):
+                        part = flat[a - span[0] : b - span[0]]
+                        if clamp is not None:
+                            part.clamp_(-clamp, clamp)
+                        total += part.double().square().sum()
+        return total
+
+    def _padded(self, block: int) -> Tensor:
+        return torch.zeros(self.shard.size(self.store.blocks[block]) * self.shard.world)
+
+    def _reduce(self, block: int, flat: Tensor, present: set[int]) -> dict[int, Tensor]:
+        """Reduce-scatter ``flat`` (this rank's full sum of ``block``) into the mean over ranks, written into
+        the own shard's place in ``flat``; returns the views of every parameter some rank has a gradient of
+        (only their own parts hold the mean: the store adds no other)."""
+        spec = self.store.blocks[block]
+        mask = torch.zeros(len(spec.params), dtype=torch.int32)
+        mask[list(present)] = 1
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX)
+        size = self.shard.size(spec)
+        mine = torch.empty(size)
+        _reduce_scatter(mine, flat, op=dist.ReduceOp.SUM)
+        self.reduced_bytes += flat.nbytes
+        base = self.shard.rank * size
+        flat[base : base + size] = mine.div_(self.shard.world)
+        return {
+            i: flat[spec.params[i].offset : spec.params[i].offset + spec.params[i].numel].view(
+                spec.params[i].shape
+            )
+            for i in mask.nonzero().flatten().tolist()
+        }
+
+
+def _nothing() -> None:
+    return None

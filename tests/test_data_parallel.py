@@ -1,0 +1,164 @@
+"""Data parallel (issue 16): ``devices=2`` on the CPU (gloo, two forked ranks) trains as one rank with the
+doubled batch, each rank holding half of the store; a failing rank stops the run with its error."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer, tiny_model
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
+
+from megatrain_lightning import MegaTrainStrategy
+
+BATCH = 2  # per rank; the single-rank reference trains on 2 * BATCH rows per micro-batch
+# Two ranks' half-batch gradients summed are not bitwise the whole batch's, and Adam's first steps turn
+# that rounding into weight differences proportional to the learning rate (where a gradient is about as
+# small as ``eps``): at 3e-3 plain Lightning itself, fed the same rows as two accumulated half batches,
+# ends 1.4e-5 away from the whole batches. At this rate that noise stays well under the 1e-6 compared.
+LR = 1e-4
+EPS = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _fresh_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher sets ``MASTER_PORT`` in this process; each test picks a free one anew."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+
+
+class SyncedLM(UserLM):
+    """Also logs the loss averaged over ranks (``sync_dist``), which the launcher brings back to this process.
+    Adam with a large ``eps`` follows the gradients' scale (with the default it hardly does), so that the
+    mean over ranks is checked, not only the direction."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=EPS)
+
+
+class FailingLM(UserLM):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx == 1:
+            raise RuntimeError("rank 1 failed on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+class RankProbe(L.Callback):
+    """In every rank: the loss averaged over ranks per micro-batch and what the rank saw, saved to ``out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        report = {
+            "losses": self.losses,
+            "world_size": trainer.world_size,
+            "global_rank": trainer.global_rank,
+            "sampler": type(trainer.train_dataloader.sampler).__name__,
+            "store_bytes": trainer.strategy.engine.store.nbytes(),
+        }
+        torch.save(report, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _rows(micro_batches: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return list(torch.randint(0, 256, (micro_batches * 2 * BATCH, 16), generator=generator))
+
+
+def _plain_fit(model: torch.nn.Module, steps: int, **trainer_kwargs: Any) -> Run:
+    """The reference: plain Lightning, one process, ``2 * BATCH`` rows per micro-batch: those the two ranks
+    see together. Lightning's ``DistributedSampler`` shuffles training data (seeded by ``PL_GLOBAL_SEED``)
+    and deals the permutation out in turn, so the reference takes the rows in that permutation's order."""
+    module, recorder = SyncedLM(copy.deepcopy(model), lr=LR), LossRecorder()
+    trainer = quiet_trainer("auto", steps, [recorder], **trainer_kwargs)
+    rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    torch.manual_seed(1)
+    trainer.fit(module, train_dataloaders=DataLoader([rows[i] for i in order], batch_size=2 * BATCH))
+    return Run(module, trainer, recorder.losses)
+
+
+def _dp_fit(
+    model: torch.nn.Module,
+    out: Path,
+    steps: int,
+    module_cls: type[UserLM] = SyncedLM,
+    **trainer_kwargs: Any,
+) -> tuple[Run, list[dict[str, Any]]]:
+    """megatrain on two forked ranks, ``BATCH`` rows each (Lightning's ``DistributedSampler`` splits them).
+    The launcher loads rank 0's final weights into this process's module."""
+    module = module_cls(copy.deepcopy(model), lr=LR)
+    strategy = MegaTrainStrategy(start_method="fork")
+    trainer = quiet_trainer(strategy, steps, [RankProbe(out)], devices=2, **trainer_kwargs)
+    rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
+    torch.manual_seed(1)
+    trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=BATCH))
+    reports = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return Run(module, trainer, reports[0]["losses"]), reports
+
+
+@pytest.mark.parametrize(
+    ("arch", "steps", "accumulate", "clip"),
+    # Clipping that fires scales every step's gradients to one norm: the case without checks their scale.
+    [("llama", 2, 2, None), ("gpt2", 3, 1, 0.5)],  # gpt2: tied embeddings and head
+)
+def test_two_ranks_train_as_one_with_the_doubled_batch(
+    arch: str, steps: int, accumulate: int, clip: float | None, tmp_path: Path
+) -> None:
+    model = tiny_model(arch)
+    options = dict(gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+    plain = _plain_fit(model, steps, **options)
+    paged, reports = _dp_fit(model, tmp_path, steps, **options)
+    assert_same_training(plain, paged)
+    assert [(r["world_size"], r["global_rank"], r["sampler"]) for r in reports] == [
+        (2, 0, "DistributedSampler"),
+        (2, 1, "DistributedSampler"),
+    ]
+    assert reports[0]["losses"] == reports[1]["losses"]  # reduced over the ranks
+    synced = float(paged.trainer.callback_metrics["synced_loss"])
+    assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
+
+
+def test_each_rank_holds_half_the_store(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    module = UserLM(copy.deepcopy(model))
+    single = quiet_trainer(MegaTrainStrategy(), 1, [])
+    single.fit(module, train_dataloaders=DataLoader(_rows(1), batch_size=2 * BATCH))
+    whole = single.strategy.engine.store.nbytes()
+    _, reports = _dp_fit(model, tmp_path, 1)
+    assert all(0 < r["store_bytes"] <= 0.55 * whole for r in reports), (whole, reports)
+
+
+def test_a_failing_rank_stops_the_run(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 failed on purpose"):
+        _dp_fit(tiny_model("llama"), tmp_path, 4, module_cls=FailingLM)
+    assert time.monotonic() - start < 60
+
+
+def test_unsupported_combinations_are_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(MisconfigurationException, match="disk tier"):
+        quiet_trainer(MegaTrainStrategy(offload_dir=tmp_path), 1, [], devices=2)
+    with pytest.raises(MisconfigurationException, match="compressed optimizer state"):
+        quiet_trainer(MegaTrainStrategy(optimizer_compression="int8"), 1, [], devices=2)
+    trainer = quiet_trainer(
+        MegaTrainStrategy(start_method="fork"), 1, [], devices=2, enable_checkpointing=True
+    )
+    with pytest.raises(Exception, match="enable_checkpointing=False"):
+        trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=DataLoader(_rows(1), batch_size=BATCH))
