@@ -228,7 +228,11 @@ CASES = [
         lambda t, f: lambda: _fit(t, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]),
     ),
     # devices and precision
-    Case("devices=2", "trains on one device", lambda t, f: lambda: _fit(t, devices=2)),
+    Case(
+        "devices=2 with the disk tier",
+        "the disk tier",
+        lambda t, f: lambda: _fit(t, strategy=MegaTrainStrategy(offload_dir=t / "offload"), devices=2),
+    ),
     Case(
         "precision='64-true'",
         "megatrain supports precision",

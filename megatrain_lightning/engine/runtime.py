@@ -421,7 +421,8 @@ class Engine:
         if optimizer is not None:
             optimizer.wait_for_room()
             optimizer.claim_gradients(block.index)
-        if found:
+        # Data parallel: every rank joins the block's reduction, with gradients of its own or none.
+        if found or self.config.shard is not None:
             # Without a trace to say otherwise, a block with one call site is used once per pass.
             final = last_use or (not self.pager.trace.following and len(block.sites) == 1)
             self.grads.offload(block.index, found, final, ready)
