@@ -60,17 +60,28 @@ class RankProbe(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.losses: list[float] = []
+        self.traffic = [0, 0]  # bytes gathered and reduce-scattered in training micro-batches
+
+    def _moved(self, trainer) -> list[int]:
+        return [trainer.strategy.engine.store.gathered_bytes, trainer.strategy.engine.grads.reduced_bytes]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.traffic = [t - now for t, now in zip(self.traffic, self._moved(trainer), strict=True)]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.traffic = [t + now for t, now in zip(self.traffic, self._moved(trainer), strict=True)]
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
     def on_train_end(self, trainer, pl_module) -> None:
+        store = trainer.strategy.engine.store
         report = {
             "losses": self.losses,
             "world_size": trainer.world_size,
             "global_rank": trainer.global_rank,
             "sampler": type(trainer.train_dataloader.sampler).__name__,
             "store_bytes": trainer.strategy.engine.store.nbytes(),
+            "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
+            "traffic": self.traffic,
         }
         torch.save(report, self.out / f"rank{trainer.global_rank}.pt")
 
@@ -99,6 +110,7 @@ def _dp_fit(
     out: Path,
     steps: int,
     module_cls: type[UserLM] = SyncedLM,
+    validate: bool = False,
     **trainer_kwargs: Any,
 ) -> tuple[Run, list[dict[str, Any]]]:
     """megatrain on two forked ranks, ``BATCH`` rows each (Lightning's ``DistributedSampler`` splits them).
@@ -108,7 +120,8 @@ def _dp_fit(
     trainer = quiet_trainer(strategy, steps, [RankProbe(out)], devices=2, **trainer_kwargs)
     rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
     torch.manual_seed(1)
-    trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=BATCH))
+    val = DataLoader(_rows(1), batch_size=BATCH) if validate else None
+    trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=BATCH), val_dataloaders=val)
     reports = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
     return Run(module, trainer, reports[0]["losses"]), reports
 
@@ -135,14 +148,21 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
     assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
 
 
-def test_each_rank_holds_half_the_store(tmp_path: Path) -> None:
+def test_each_rank_holds_half_the_store_and_moves_the_least(tmp_path: Path) -> None:
+    """Per micro-batch each block is gathered once for the forward and once for the backward (the recompute
+    shares it) and its gradients are reduce-scattered once: each time a rank receives, or sends, the other
+    ranks' shards and nothing more. (Validation runs too: its forwards gather as well.)"""
     model = tiny_model("llama")
     module = UserLM(copy.deepcopy(model))
     single = quiet_trainer(MegaTrainStrategy(), 1, [])
     single.fit(module, train_dataloaders=DataLoader(_rows(1), batch_size=2 * BATCH))
     whole = single.strategy.engine.store.nbytes()
-    _, reports = _dp_fit(model, tmp_path, 1)
-    assert all(0 < r["store_bytes"] <= 0.55 * whole for r in reports), (whole, reports)
+    steps = 2
+    _, reports = _dp_fit(model, tmp_path, steps, validate=True, limit_val_batches=1)
+    for r in reports:
+        assert 0 < r["store_bytes"] <= 0.55 * whole, (whole, r)
+        others = (2 - 1) * r["shard_bytes"]  # world - 1 shards
+        assert r["traffic"] == [2 * steps * others, steps * others]
 
 
 def test_a_failing_rank_stops_the_run(tmp_path: Path) -> None:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from megatrain_lightning.engine.grads import HostGrads
@@ -91,17 +90,12 @@ class ShardedHostStore(HostStore):
         self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[Tensor]:
         """With ``span``: that part of the own shard. Without: a gathered copy of the whole block (a read;
-        collective, like a full ``state_dict`` under FSDP)."""
+        collective like a full ``state_dict`` under FSDP: every rank reads, as Lightning's hooks do, e.g. the
+        ``param.grad`` of ``zero_grad``)."""
         if span is not None:
             with super().pinned(block, kind, write, span) as flat:
                 yield flat
             return
-        if kind in ("grad", "grad_pass"):
-            raise MisconfigurationException(
-                "megatrain with more than one device keeps each rank's share of the gradients only, so "
-                "`param.grad` cannot be read; clip with `Trainer(gradient_clip_val=...)`, which uses the "
-                "global norm across ranks."
-            )
         if write:
             raise RuntimeError("megatrain: a sharded store writes whole blocks through `rewriting` only")
         yield self.read(block, kind)
@@ -164,7 +158,7 @@ class ShardedGrads(HostGrads):
         super().__init__(store, device, stats, asynchronous=False)
         self.shard = store.shard
         self.reduce_at_once = False
-        self.reduced_bytes = 0  # fp32 bytes each rank sent into reduce-scatters
+        self.reduced_bytes = 0  # fp32 bytes sent by reduce-scatters (the other ranks' shares of its sums)
         self._local: dict[int, tuple[Tensor, set[int]]] = {}  # block -> (full local sum, its indices)
 
     def offload(self, block: int, grads: dict[int, Tensor], final: bool, then: Callable[[], None]) -> None:
@@ -225,7 +219,7 @@ class ShardedGrads(HostGrads):
         size = self.shard.size(spec)
         mine = torch.empty(size)
         _reduce_scatter(mine, flat, op=dist.ReduceOp.SUM)
-        self.reduced_bytes += flat.nbytes
+        self.reduced_bytes += flat.nbytes - mine.nbytes
         base = self.shard.rank * size
         flat[base : base + size] = mine.div_(self.shard.world)
         return {
