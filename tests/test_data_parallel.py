@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,38 @@ class SyncedLM(UserLM):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=EPS)
 
 
+class ManualLM(SyncedLM):
+    """Manual optimization: the backward runs before the optimizer's step, and the module clips itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
 class FailingLM(UserLM):
+    """Rank 1 raises, or is killed, in its second micro-batch."""
+
+    kill = False
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_rank == 1 and batch_idx == 1:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("rank 1 failed on purpose")
         return super().training_step(batch, batch_idx)
+
+
+class KilledLM(FailingLM):
+    kill = True
 
 
 class RankProbe(L.Callback):
@@ -91,11 +119,13 @@ def _rows(micro_batches: int) -> list[torch.Tensor]:
     return list(torch.randint(0, 256, (micro_batches * 2 * BATCH, 16), generator=generator))
 
 
-def _plain_fit(model: torch.nn.Module, steps: int, **trainer_kwargs: Any) -> Run:
+def _plain_fit(
+    model: torch.nn.Module, steps: int, module_cls: type[UserLM] = SyncedLM, **trainer_kwargs: Any
+) -> Run:
     """The reference: plain Lightning, one process, ``2 * BATCH`` rows per micro-batch: those the two ranks
     see together. Lightning's ``DistributedSampler`` shuffles training data (seeded by ``PL_GLOBAL_SEED``)
     and deals the permutation out in turn, so the reference takes the rows in that permutation's order."""
-    module, recorder = SyncedLM(copy.deepcopy(model), lr=LR), LossRecorder()
+    module, recorder = module_cls(copy.deepcopy(model), lr=LR), LossRecorder()
     trainer = quiet_trainer("auto", steps, [recorder], **trainer_kwargs)
     rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
     seed = int(os.getenv("PL_GLOBAL_SEED", 0))
@@ -127,17 +157,21 @@ def _dp_fit(
 
 
 @pytest.mark.parametrize(
-    ("arch", "steps", "accumulate", "clip"),
-    # Clipping that fires scales every step's gradients to one norm: the case without checks their scale.
-    [("llama", 2, 2, None), ("gpt2", 3, 1, 0.5)],  # gpt2: tied embeddings and head
+    ("arch", "steps", "module_cls", "options"),
+    [
+        # Clipping that fires scales every step's gradients to one norm: this case checks their scale.
+        ("llama", 2, SyncedLM, dict(accumulate_grad_batches=2)),
+        ("gpt2", 3, SyncedLM, dict(gradient_clip_val=0.5)),  # tied embeddings and head
+        ("llama", 2, ManualLM, {}),
+    ],
+    ids=["llama-accumulate", "gpt2-clip", "llama-manual-clip"],
 )
 def test_two_ranks_train_as_one_with_the_doubled_batch(
-    arch: str, steps: int, accumulate: int, clip: float | None, tmp_path: Path
+    arch: str, steps: int, module_cls: type[UserLM], options: dict[str, Any], tmp_path: Path
 ) -> None:
     model = tiny_model(arch)
-    options = dict(gradient_clip_val=clip, accumulate_grad_batches=accumulate)
-    plain = _plain_fit(model, steps, **options)
-    paged, reports = _dp_fit(model, tmp_path, steps, **options)
+    plain = _plain_fit(model, steps, module_cls, **options)
+    paged, reports = _dp_fit(model, tmp_path, steps, module_cls, **options)
     assert_same_training(plain, paged)
     assert [(r["world_size"], r["global_rank"], r["sampler"]) for r in reports] == [
         (2, 0, "DistributedSampler"),
@@ -145,6 +179,7 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
     ]
     assert reports[0]["losses"] == reports[1]["losses"]  # reduced over the ranks
     synced = float(paged.trainer.callback_metrics["synced_loss"])
+    accumulate = options.get("accumulate_grad_batches", 1)
     assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
 
 
@@ -165,10 +200,15 @@ def test_each_rank_holds_half_the_store_and_moves_the_least(tmp_path: Path) -> N
         assert r["traffic"] == [2 * steps * others, steps * others]
 
 
-def test_a_failing_rank_stops_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("module_cls", "error"),
+    [(FailingLM, "rank 1 failed on purpose"), (KilledLM, "process 1 terminated with signal SIGKILL")],
+    ids=["raises", "killed"],
+)
+def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_path: Path) -> None:
     start = time.monotonic()
-    with pytest.raises(Exception, match="rank 1 failed on purpose"):
-        _dp_fit(tiny_model("llama"), tmp_path, 4, module_cls=FailingLM)
+    with pytest.raises(Exception, match=error):
+        _dp_fit(tiny_model("llama"), tmp_path, 4, module_cls=module_cls)
     assert time.monotonic() - start < 60
 
 
