@@ -91,7 +91,7 @@ class RankProbe(L.Callback):
         self.traffic = [0, 0]  # bytes gathered and reduce-scattered in training micro-batches
 
     def _moved(self, trainer) -> list[int]:
-        return [trainer.strategy.engine.store.gathered_bytes, trainer.strategy.engine.grads.reduced_bytes]
+        return [trainer.strategy.stats.gathered_bytes, trainer.strategy.stats.reduce_scattered_bytes]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.traffic = [t - now for t, now in zip(self.traffic, self._moved(trainer), strict=True)]

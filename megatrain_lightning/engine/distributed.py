@@ -62,9 +62,9 @@ class ShardedHostStore(HostStore):
     def __init__(self, blocks: list[Block], shard: Shard, stats: EngineStats, chunk_numel: int) -> None:
         super().__init__(blocks, pin_memory=False, stats=stats, chunk_numel=chunk_numel)
         self.shard = shard
-        self.gathered_bytes = 0  # fp32 bytes received by all-gathers (other ranks' shards)
 
     def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
+        """Every kind in the block's layout (compressed moments, laid out otherwise, are refused before)."""
         dtype, _ = super().layout(block, kind)
         return dtype, self.shard.size(self.blocks[block])
 
@@ -103,15 +103,7 @@ class ShardedHostStore(HostStore):
     def read(self, block: int, kind: str) -> Tensor:
         """The whole block's ``kind``, gathered from every rank's shard (a fresh buffer; collective)."""
         self.wait_for_change(block)
-        return self.gather(block, kind)
-
-    def gather(self, block: int, kind: str) -> Tensor:
-        spec = self.blocks[block]
-        shard = self._buffer(block, kind)
-        full = torch.empty(shard.numel() * self.shard.world, dtype=shard.dtype)
-        dist.all_gather_into_tensor(full, shard)
-        self.gathered_bytes += full.nbytes - shard.nbytes
-        return full[: spec.numel]
+        return self._gather(block, kind)[: self.blocks[block].numel]
 
     @contextlib.contextmanager
     def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
@@ -119,14 +111,21 @@ class ShardedHostStore(HostStore):
         it becomes every rank's, each keeping its shard (the ranks' models might differ, rank 0's wins)."""
         self.wait_for_change(block)
         self.will_change(block)
-        shard = self._buffer(block, kind)
-        full = torch.empty(shard.numel() * self.shard.world, dtype=shard.dtype)
-        dist.all_gather_into_tensor(full, shard)
+        full = self._gather(block, kind)
         yield full[: self.blocks[block].numel]
         dist.broadcast(full, src=0)
+        shard = self._buffer(block, kind)
         base = self.shard.rank * shard.numel()
         shard.copy_(full[base : base + shard.numel()])
         self.written(block, [kind])
+
+    def _gather(self, block: int, kind: str) -> Tensor:
+        """Every rank's shard of ``block``'s ``kind`` in rank order, padding included."""
+        shard = self._buffer(block, kind)
+        full = torch.empty(shard.numel() * self.shard.world, dtype=shard.dtype)
+        dist.all_gather_into_tensor(full, shard)
+        self.stats.add(gathered_bytes=full.nbytes - shard.nbytes)
+        return full
 
 
 class GatheredViews(HostViews):
@@ -158,7 +157,6 @@ class ShardedGrads(HostGrads):
         super().__init__(store, device, stats, asynchronous=False)
         self.shard = store.shard
         self.reduce_at_once = False
-        self.reduced_bytes = 0  # fp32 bytes sent by reduce-scatters (the other ranks' shares of its sums)
         self._local: dict[int, tuple[Tensor, set[int]]] = {}  # block -> (full local sum, its indices)
 
     def offload(self, block: int, grads: dict[int, Tensor], final: bool, then: Callable[[], None]) -> None:
@@ -219,7 +217,7 @@ class ShardedGrads(HostGrads):
         size = self.shard.size(spec)
         mine = torch.empty(size)
         _reduce_scatter(mine, flat, op=dist.ReduceOp.SUM)
-        self.reduced_bytes += flat.nbytes - mine.nbytes
+        self.stats.add(reduce_scattered_bytes=flat.nbytes - mine.nbytes)
         base = self.shard.rank * size
         flat[base : base + size] = mine.div_(self.shard.world)
         return {
