@@ -163,8 +163,9 @@ def _dp_fit(
         ("llama", 2, SyncedLM, dict(accumulate_grad_batches=2)),
         ("gpt2", 3, SyncedLM, dict(gradient_clip_val=0.5)),  # tied embeddings and head
         ("llama", 2, ManualLM, {}),
+        ("mixtral", 2, SyncedLM, dict(gradient_clip_val=0.5, accumulate_grad_batches=2)),  # experts
     ],
-    ids=["llama-accumulate", "gpt2-clip", "llama-manual-clip"],
+    ids=["llama-accumulate", "gpt2-clip", "llama-manual-clip", "moe-clip-accumulate"],
 )
 def test_two_ranks_train_as_one_with_the_doubled_batch(
     arch: str, steps: int, module_cls: type[UserLM], options: dict[str, Any], tmp_path: Path
