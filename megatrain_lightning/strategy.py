@@ -55,6 +55,7 @@ from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_host_ram,
     check_offload_dir,
+    missing_dirs,
     remove_empty_dirs,
 )
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -81,6 +82,21 @@ def _reads_final_gradients(trainer: pl.Trainer) -> bool:
 def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
     cleanup()  # the store's files first (a no-op when its own finalizer ran already)
     remove_empty_dirs(dirs)
+
+
+class _RankLauncher(_MultiProcessingLauncher):
+    """``ddp_spawn``'s launcher. Its ranks end with ``os._exit``, which runs no finalizer, so each releases
+    its disk-tier store once its results are collected (its weights were sent by then)."""
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error on its way to the user is the one to see
+                self._strategy.release_disk_store()
+            raise
+        self._strategy.release_disk_store()
 
 
 class MegaTrainStrategy(ParallelStrategy):
@@ -181,6 +197,7 @@ class MegaTrainStrategy(ParallelStrategy):
         if self.offload_dir is not None and self.offload_dir != "auto":
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []
+        self._release_store_dirs: Callable[[], Any] = lambda: None
         if self.max_cpu_gb is not None:
             check_host_ram(self.max_cpu_gb)
         self.engine: Engine | None = None
@@ -245,21 +262,26 @@ class MegaTrainStrategy(ParallelStrategy):
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _RankLauncher(self, start_method=self._start_method)
+
+    def release_disk_store(self) -> None:
+        """Close the disk tier's store now and remove its files and the folders made for them (unless kept):
+        for a rank process that ends without running finalizers. No collectives: its peers may be gone."""
+        if self.engine is not None and isinstance(self.engine.store, DiskStore):
+            self.engine.store.close()
+            self._release_store_dirs()
 
     def _check_data_parallel(self) -> None:
         """Refuse, before any rank starts, what data parallel does not support yet."""
         unsupported = []
         if self.root_device.type != "cpu":
             unsupported.append(f"accelerator {self.root_device.type!r} (use accelerator='cpu', gloo)")
-        if self.offload_dir is not None:
-            unsupported.append("the disk tier (`offload_dir`; use offload_dir=None)")
         if self.optimizer_compression != "none":
             unsupported.append("compressed optimizer state (use optimizer_compression='none')")
         if unsupported:
             raise MisconfigurationException(
-                f"megatrain trains on {self.num_nodes * self.num_processes} devices with the store in host "
-                f"RAM on the CPU only so far; this run asks for {'; '.join(unsupported)}. Or set "
+                f"megatrain trains on {self.num_nodes * self.num_processes} devices on the CPU with fp32 "
+                f"optimizer state only so far; this run asks for {'; '.join(unsupported)}. Or set "
                 "`Trainer(devices=1, num_nodes=1)`."
             )
 
@@ -368,16 +390,22 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
         config, self._created_dirs = budgets.engine_config(self, blocks)
-        if self.data_parallel:
-            config = dataclasses.replace(config, shard=Shard(self.global_rank, self.world_size))
-        return config
+        if not self.data_parallel:
+            return config
+        offload_dir = config.offload_dir
+        if offload_dir is not None:  # each rank's files in a folder of its own (ranks may share a disk)
+            offload_dir = os.path.join(offload_dir, f"rank{self.global_rank}")
+            self._created_dirs[:0] = missing_dirs(offload_dir)
+        return dataclasses.replace(
+            config, offload_dir=offload_dir, shard=Shard(self.global_rank, self.world_size)
+        )
 
     def _remove_created_dirs_with_store(self) -> None:
         """The folders ``offload_dir`` needed go when the store's files do (at once if there is no store)."""
         dirs, self._created_dirs = self._created_dirs, []
         store = self.engine.store if self.engine is not None else None
         if isinstance(store, DiskStore):
-            weakref.finalize(store, _remove_after, store._cleanup, dirs)
+            self._release_store_dirs = weakref.finalize(store, _remove_after, store._cleanup, dirs)
         else:
             remove_empty_dirs(dirs)
 

@@ -229,9 +229,9 @@ CASES = [
     ),
     # devices and precision
     Case(
-        "devices=2 with the disk tier",
-        "the disk tier",
-        lambda t, f: lambda: _fit(t, strategy=MegaTrainStrategy(offload_dir=t / "offload"), devices=2),
+        "devices=2 with compressed optimizer state",
+        "compressed optimizer state",
+        lambda t, f: lambda: _fit(t, strategy=MegaTrainStrategy(optimizer_compression="int8"), devices=2),
     ),
     Case(
         "precision='64-true'",

@@ -108,6 +108,7 @@ class RankProbe(L.Callback):
             "global_rank": trainer.global_rank,
             "sampler": type(trainer.train_dataloader.sampler).__name__,
             "store_bytes": trainer.strategy.engine.store.nbytes(),
+            "store_dir": getattr(store, "directory", None),
             "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
             "traffic": self.traffic,
         }
@@ -141,12 +142,13 @@ def _dp_fit(
     steps: int,
     module_cls: type[UserLM] = SyncedLM,
     validate: bool = False,
+    strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[Run, list[dict[str, Any]]]:
     """megatrain on two forked ranks, ``BATCH`` rows each (Lightning's ``DistributedSampler`` splits them).
     The launcher loads rank 0's final weights into this process's module."""
     module = module_cls(copy.deepcopy(model), lr=LR)
-    strategy = MegaTrainStrategy(start_method="fork")
+    strategy = MegaTrainStrategy(start_method="fork", **(strategy_kwargs or {}))
     trainer = quiet_trainer(strategy, steps, [RankProbe(out)], devices=2, **trainer_kwargs)
     rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
     torch.manual_seed(1)
@@ -184,6 +186,18 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
     assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
 
 
+def test_the_disk_tier_keeps_each_ranks_shard_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    model, offload = tiny_model("llama"), tmp_path / "offload"
+    options = dict(gradient_clip_val=0.5, accumulate_grad_batches=2)
+    plain = _plain_fit(model, 2, **options)
+    paged, reports = _dp_fit(model, tmp_path, 2, strategy_kwargs=dict(offload_dir=offload), **options)
+    assert_same_training(plain, paged)
+    assert [r["store_dir"] for r in reports] == [
+        str(offload / f"rank{r}" / "megatrain_store") for r in (0, 1)
+    ]
+    assert not offload.exists()  # made for the run, removed with its stores
+
+
 def test_each_rank_holds_half_the_store_and_moves_the_least(tmp_path: Path) -> None:
     """Per micro-batch each block is gathered once for the forward and once for the backward (the recompute
     shares it) and its gradients are reduce-scattered once: each time a rank receives, or sends, the other
@@ -214,8 +228,6 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
 
 
 def test_unsupported_combinations_are_refused_before_training(tmp_path: Path) -> None:
-    with pytest.raises(MisconfigurationException, match="disk tier"):
-        quiet_trainer(MegaTrainStrategy(offload_dir=tmp_path), 1, [], devices=2)
     with pytest.raises(MisconfigurationException, match="compressed optimizer state"):
         quiet_trainer(MegaTrainStrategy(optimizer_compression="int8"), 1, [], devices=2)
     trainer = quiet_trainer(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from torch import Tensor
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews
 from megatrain_lightning.engine.slots import SlotLayout
+from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.layout import Block, align_up, chunk_spans
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -56,12 +58,14 @@ class Shard:
         return min(start, block.numel), min(start + self.size(block), block.numel)
 
 
-class ShardedHostStore(HostStore):
-    """A host store holding this rank's shard of every block's buffers (see the module docstring)."""
+class _ShardedStore:
+    """Mixed in before a store class (host or disk tier): that store then holds this rank's shard of every
+    block's buffers (see the module docstring)."""
 
-    def __init__(self, blocks: list[Block], shard: Shard, stats: EngineStats, chunk_numel: int) -> None:
-        super().__init__(blocks, pin_memory=False, stats=stats, chunk_numel=chunk_numel)
-        self.shard = shard
+    shard: Shard
+    blocks: list[Block]
+    chunk_numel: int
+    stats: EngineStats
 
     def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
         """Every kind in the block's layout (compressed moments, laid out otherwise, are refused before)."""
@@ -103,7 +107,7 @@ class ShardedHostStore(HostStore):
     def read(self, block: int, kind: str) -> Tensor:
         """The whole block's ``kind``, gathered from every rank's shard (a fresh buffer; collective)."""
         self.wait_for_change(block)
-        return self._gather(block, kind)[: self.blocks[block].numel]
+        return self._gather_ranks(block, kind)[: self.blocks[block].numel]
 
     @contextlib.contextmanager
     def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
@@ -111,28 +115,57 @@ class ShardedHostStore(HostStore):
         it becomes every rank's, each keeping its shard (the ranks' models might differ, rank 0's wins)."""
         self.wait_for_change(block)
         self.will_change(block)
-        full = self._gather(block, kind)
+        full = self._gather_ranks(block, kind)
         yield full[: self.blocks[block].numel]
         dist.broadcast(full, src=0)
-        shard = self._buffer(block, kind)
-        base = self.shard.rank * shard.numel()
-        shard.copy_(full[base : base + shard.numel()])
+        lo, hi = self.shard.owned(self.blocks[block])
+        if hi > lo:
+            with super().pinned(block, kind, write=True, span=(lo, hi)) as own:
+                own.copy_(full[lo:hi])
         self.written(block, [kind])
 
-    def _gather(self, block: int, kind: str) -> Tensor:
+    def _gather_ranks(self, block: int, kind: str) -> Tensor:
         """Every rank's shard of ``block``'s ``kind`` in rank order, padding included."""
-        shard = self._buffer(block, kind)
-        full = torch.empty(shard.numel() * self.shard.world, dtype=shard.dtype)
-        dist.all_gather_into_tensor(full, shard)
-        self.stats.add(gathered_bytes=full.nbytes - shard.nbytes)
+        dtype, size = self.layout(block, kind)
+        lo, hi = self.shard.owned(self.blocks[block])
+        mine = torch.zeros(size, dtype=dtype)
+        if hi > lo:
+            with super().pinned(block, kind, span=(lo, hi)) as own:
+                mine[: hi - lo] = own
+        full = torch.empty(size * self.shard.world, dtype=dtype)
+        dist.all_gather_into_tensor(full, mine)
+        self.stats.add(gathered_bytes=full.nbytes - mine.nbytes)
         return full
+
+
+class ShardedHostStore(_ShardedStore, HostStore):
+    """The host tier's share of one rank."""
+
+    def __init__(self, shard: Shard, blocks: list[Block], stats: EngineStats, chunk_numel: int) -> None:
+        self.shard = shard
+        super().__init__(blocks, pin_memory=False, stats=stats, chunk_numel=chunk_numel)
+
+
+class ShardedDiskStore(_ShardedStore, DiskStore):
+    """The disk tier's share of one rank: the own chunks in files under its own folder, cached in RAM."""
+
+    def __init__(self, shard: Shard, blocks: list[Block], offload_dir: str, cache_bytes: int, **kwargs: Any):
+        self.shard = shard
+        super().__init__(blocks, offload_dir, cache_bytes, **kwargs)
+
+    def _chunks_in(self, block: int, span: tuple[int, int] | None) -> list[int]:
+        """Chunks are counted from the own shard's start."""
+        if span is None or not self._chunks[block]:
+            return super()._chunks_in(block, span)
+        lo = self._chunks[block][0][0]
+        return super()._chunks_in(block, (span[0] - lo, span[1] - lo))
 
 
 class GatheredViews(HostViews):
     """The pager of a sharded engine: ``acquire`` gathers the block from every rank, in the compute dtype
     (fp32: the gathered buffer itself; otherwise converted as a slot would be)."""
 
-    def __init__(self, store: ShardedHostStore, stats: EngineStats, layout: SlotLayout) -> None:
+    def __init__(self, store: HostStore, stats: EngineStats, layout: SlotLayout) -> None:
         super().__init__(store, stats)
         self.layout = layout
 
@@ -153,7 +186,9 @@ class ShardedGrads(HostGrads):
     closure runs): each offload is reduce-scattered at once; otherwise gradients are summed locally in full
     until :meth:`reduce_local` (or the next offload while reducing) reduces them."""
 
-    def __init__(self, store: ShardedHostStore, device: torch.device, stats: EngineStats) -> None:
+    def __init__(
+        self, store: ShardedHostStore | ShardedDiskStore, device: torch.device, stats: EngineStats
+    ) -> None:
         super().__init__(store, device, stats, asynchronous=False)
         self.shard = store.shard
         self.reduce_at_once = False

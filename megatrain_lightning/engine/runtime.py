@@ -50,7 +50,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
-from megatrain_lightning.engine.distributed import GatheredViews, Shard, ShardedGrads, ShardedHostStore
+from megatrain_lightning.engine.distributed import (
+    GatheredViews,
+    Shard,
+    ShardedDiskStore,
+    ShardedGrads,
+    ShardedHostStore,
+)
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
@@ -101,11 +107,12 @@ class EngineConfig:
         )
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
-        if self.shard is not None:
-            return ShardedHostStore(blocks, self.shard, stats, self.io.chunk_numel)
         if self.offload_dir is None:
+            if self.shard is not None:
+                return ShardedHostStore(self.shard, blocks, stats, self.io.chunk_numel)
             return HostStore(blocks, self.pin_memory, stats, self.io.chunk_numel)
-        return DiskStore(
+        disk_store = DiskStore if self.shard is None else functools.partial(ShardedDiskStore, self.shard)
+        return disk_store(
             blocks,
             self.offload_dir,
             self.cache_bytes,
