@@ -4,10 +4,11 @@ A block's flat buffers (weights, gradient sums, Adam moments) are cut into ``wor
 padded to whole ``ALIGN``s; rank ``r`` owns block elements ``[r * size, (r + 1) * size)`` and its store
 holds only that shard, so adding ranks divides the store. The pieces keep the single-rank interfaces:
 
-- :class:`ShardedHostStore`: ``spans`` are the rank's own chunks, so everything that works chunk by chunk
-  (gradient sums, the optimizer's update) touches only the shard, unchanged. A whole-block read (a
-  forward's weights, ``state_dict``) is an ``all_gather_into_tensor`` of the shards; a whole-block write
-  (adopting or loading weights) takes rank 0's block and keeps the own shard.
+- :class:`ShardedHostStore`, :class:`ShardedDiskStore` (the disk tier, in a folder per rank): ``spans`` are
+  the rank's own chunks, so everything that works chunk by chunk (gradient sums, the optimizer's update,
+  the disk tier's cache and files) touches only the shard, unchanged. A whole-block read (a forward's
+  weights, ``state_dict``) is an ``all_gather_into_tensor`` of the shards; a whole-block write (adopting
+  or loading weights) takes rank 0's block and keeps the own shard.
 - :class:`GatheredViews`: the pager of a sharded engine: each acquire gathers the block (waiting for the
   shard's pending update first), in the compute dtype.
 - :class:`ShardedGrads`: a call's gradients are ``reduce_scatter``ed (sum, then the mean Lightning's DDP
@@ -15,7 +16,8 @@ holds only that shard, so adding ranks divides the store. The pieces keep the si
   locally in full, without communication, and reduced once with the stepping micro-batch's.
 
 Every collective runs in the compute thread, in the order the model's forward and backward visit blocks,
-which is the same on every rank: a rank never reorders them by timing (no prefetch, no worker threads).
+which is the same on every rank: a rank never reorders them by timing (nothing is prefetched; block
+updates and disk I/O in other threads touch only the own shard, and a gather waits for the shard's update).
 """
 
 from __future__ import annotations
@@ -149,7 +151,9 @@ class ShardedHostStore(_ShardedStore, HostStore):
 class ShardedDiskStore(_ShardedStore, DiskStore):
     """The disk tier's share of one rank: the own chunks in files under its own folder, cached in RAM."""
 
-    def __init__(self, shard: Shard, blocks: list[Block], offload_dir: str, cache_bytes: int, **kwargs: Any):
+    def __init__(
+        self, shard: Shard, blocks: list[Block], offload_dir: str, cache_bytes: int, **kwargs: Any
+    ) -> None:
         self.shard = shard
         super().__init__(blocks, offload_dir, cache_bytes, **kwargs)
 
