@@ -107,7 +107,7 @@ class RankProbe(L.Callback):
             "world_size": trainer.world_size,
             "global_rank": trainer.global_rank,
             "sampler": type(trainer.train_dataloader.sampler).__name__,
-            "store_bytes": trainer.strategy.engine.store.nbytes(),
+            "store_bytes": store.nbytes(),
             "store_dir": getattr(store, "directory", None),
             "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
             "traffic": self.traffic,
@@ -230,8 +230,12 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
 def test_unsupported_combinations_are_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(MisconfigurationException, match="compressed optimizer state"):
         quiet_trainer(MegaTrainStrategy(optimizer_compression="int8"), 1, [], devices=2)
+    loader = DataLoader(_rows(1), batch_size=BATCH)
     trainer = quiet_trainer(
         MegaTrainStrategy(start_method="fork"), 1, [], devices=2, enable_checkpointing=True
     )
     with pytest.raises(Exception, match="enable_checkpointing=False"):
-        trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=DataLoader(_rows(1), batch_size=BATCH))
+        trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=loader)
+    trainer = quiet_trainer(MegaTrainStrategy(start_method="fork"), 1, [], devices=2)
+    with pytest.raises(Exception, match="does not save or load checkpoints with more than one device"):
+        trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=loader, ckpt_path=tmp_path / "a.ckpt")
