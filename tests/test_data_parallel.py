@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer, tiny_model
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
@@ -30,8 +31,8 @@ EPS = 1e-3
 
 @pytest.fixture(autouse=True)
 def _fresh_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launcher sets ``MASTER_PORT`` in this process; each test picks a free one anew."""
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    """A free port per test; the launcher's ``MASTER_PORT`` in this process goes with the test."""
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
 
 
 class SyncedLM(UserLM):
