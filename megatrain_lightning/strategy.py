@@ -22,7 +22,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -354,12 +353,6 @@ class MegaTrainStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-        if self.data_parallel and any(isinstance(c, ModelCheckpoint) for c in trainer.callbacks):
-            raise MisconfigurationException(
-                "megatrain does not save checkpoints with more than one device yet (sharded checkpoints "
-                "come later). Pass `Trainer(enable_checkpointing=False)` and no `ModelCheckpoint`, or train "
-                "with `devices=1`."
-            )
         for callback in trainer.callbacks:  # they keep their own copy of the weights
             if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
                 raise MisconfigurationException(
@@ -394,8 +387,12 @@ class MegaTrainStrategy(ParallelStrategy):
             return config
         offload_dir = config.offload_dir
         if offload_dir is not None:  # each rank's files in a folder of its own (ranks may share a disk)
+            # The folders one rank made for this run are every rank's to remove: the last one out does.
+            made: list[list[str]] = [[] for _ in range(self.world_size)]
+            torch.distributed.all_gather_object(made, self._created_dirs)
+            shared = sorted({path for paths in made for path in paths}, key=lambda p: -p.count(os.sep))
             offload_dir = os.path.join(offload_dir, f"rank{self.global_rank}")
-            self._created_dirs[:0] = missing_dirs(offload_dir)
+            self._created_dirs = missing_dirs(offload_dir) + shared
         return dataclasses.replace(
             config, offload_dir=offload_dir, shard=Shard(self.global_rank, self.world_size)
         )
@@ -527,8 +524,9 @@ class MegaTrainStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """A checkpoint directory at ``filepath`` (:mod:`megatrain_lightning.serialization.checkpoint`)."""
-        self._refuse_sharded_checkpoint()
+        """A checkpoint directory at ``filepath`` (:mod:`megatrain_lightning.serialization.checkpoint`). Data
+        parallel: every rank takes part in gathering the blocks, rank 0 writes them (a checkpoint of the
+        whole model, which any number of ranks can load)."""
         engine = self.engine
         assert engine is not None
         engine.wait_all()
@@ -539,11 +537,11 @@ class MegaTrainStrategy(ParallelStrategy):
         if not self._checkpoint_size_logged:
             self._checkpoint_size_logged = True
             checkpointing.announce_size(os.fspath(filepath), engine, optimizer)
-        checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer)
+        write = self.is_global_zero
+        checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer, write=write)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self._refuse_sharded_checkpoint()
         checkpointing.recover(checkpoint_path)  # a save killed mid-replace left the previous one aside
         if not os.path.isdir(checkpoint_path):  # a directory is ours: ``verify`` says what it lacks
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -579,13 +577,6 @@ class MegaTrainStrategy(ParallelStrategy):
             return
         adam_state.load_param_groups(optimizer, checkpoint["optimizer_states"][0]["param_groups"])
         checkpointing.load_optimizer(ckpt, self.engine, optimizer)
-
-    def _refuse_sharded_checkpoint(self) -> None:
-        if self.data_parallel:
-            raise MisconfigurationException(
-                "megatrain does not save or load checkpoints with more than one device yet (sharded "
-                "checkpoints come later); train with `devices=1` to save or resume."
-            )
 
     # -- the end --
 

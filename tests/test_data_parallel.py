@@ -7,6 +7,7 @@ import copy
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer, tiny_model
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from megatrain_lightning import MegaTrainStrategy
@@ -116,24 +118,34 @@ class RankProbe(L.Callback):
         torch.save(report, self.out / f"rank{trainer.global_rank}.pt")
 
 
+def _two_ranks(**options: Any) -> MegaTrainStrategy:
+    """Forked ranks; a collective that waits over a minute fails (a test's bug would hang for 30)."""
+    return MegaTrainStrategy(start_method="fork", timeout=timedelta(minutes=1), **options)
+
+
 def _rows(micro_batches: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return list(torch.randint(0, 256, (micro_batches * 2 * BATCH, 16), generator=generator))
+
+
+def _order(n: int, epoch: int) -> list[int]:
+    """The permutation Lightning's ``DistributedSampler`` deals the rows of ``epoch`` from (seeded by
+    ``PL_GLOBAL_SEED``, one more per epoch); rank ``r`` takes every other row from ``r`` on."""
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0)) + epoch
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _plain_fit(
     model: torch.nn.Module, steps: int, module_cls: type[UserLM] = SyncedLM, **trainer_kwargs: Any
 ) -> Run:
     """The reference: plain Lightning, one process, ``2 * BATCH`` rows per micro-batch: those the two ranks
-    see together. Lightning's ``DistributedSampler`` shuffles training data (seeded by ``PL_GLOBAL_SEED``)
-    and deals the permutation out in turn, so the reference takes the rows in that permutation's order."""
+    see together (Lightning's ``DistributedSampler`` shuffles training data: in :func:`_order`)."""
     module, recorder = module_cls(copy.deepcopy(model), lr=LR), LossRecorder()
     trainer = quiet_trainer("auto", steps, [recorder], **trainer_kwargs)
     rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
-    seed = int(os.getenv("PL_GLOBAL_SEED", 0))
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     torch.manual_seed(1)
-    trainer.fit(module, train_dataloaders=DataLoader([rows[i] for i in order], batch_size=2 * BATCH))
+    ordered = [rows[i] for i in _order(len(rows), 0)]
+    trainer.fit(module, train_dataloaders=DataLoader(ordered, batch_size=2 * BATCH))
     return Run(module, trainer, recorder.losses)
 
 
@@ -149,7 +161,7 @@ def _dp_fit(
     """megatrain on two forked ranks, ``BATCH`` rows each (Lightning's ``DistributedSampler`` splits them).
     The launcher loads rank 0's final weights into this process's module."""
     module = module_cls(copy.deepcopy(model), lr=LR)
-    strategy = MegaTrainStrategy(start_method="fork", **(strategy_kwargs or {}))
+    strategy = _two_ranks(**(strategy_kwargs or {}))
     trainer = quiet_trainer(strategy, steps, [RankProbe(out)], devices=2, **trainer_kwargs)
     rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
     torch.manual_seed(1)
@@ -199,6 +211,51 @@ def test_the_disk_tier_keeps_each_ranks_shard_in_a_folder_of_its_own(tmp_path: P
     assert not offload.exists()  # made for the run, removed with its stores
 
 
+def _epoch_fit(
+    model: torch.nn.Module,
+    out: Path,
+    devices: int,
+    epochs: int,
+    ckpt_path: Path | None = None,
+    save_to: Path | None = None,
+) -> Run:
+    """Epochs of two micro-batches of ``2 * BATCH`` rows: on two ranks (each ``BATCH``), or on one rank
+    with the rows in the order the ranks take them together (:func:`_order`, for the last epoch)."""
+    rows = _rows(2)
+    callbacks: list[L.Callback] = [RankProbe(out)]
+    if save_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, save_last=True, save_top_k=0))
+    if devices == 2:
+        strategy, loader = _two_ranks(), DataLoader(rows, batch_size=BATCH)
+    else:
+        ordered = [rows[i] for i in _order(len(rows), epochs - 1)]
+        strategy, loader = MegaTrainStrategy(), DataLoader(ordered, batch_size=2 * BATCH)
+    module = SyncedLM(copy.deepcopy(model), lr=LR)
+    trainer = quiet_trainer(
+        strategy, -1, callbacks, devices=devices, max_epochs=epochs, enable_checkpointing=save_to is not None
+    )
+    torch.manual_seed(1)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return Run(module, trainer, torch.load(out / "rank0.pt")["losses"])
+
+
+def test_a_checkpoint_of_two_ranks_resumes_exactly_on_two_and_on_one(tmp_path: Path) -> None:
+    """Rank 0 writes the whole model (every rank gathers with it); two ranks resume from it bitwise, one
+    rank resumes from it as one rank trains (and two ranks from one rank's)."""
+    model = tiny_model("llama")
+    whole = _epoch_fit(model, tmp_path, 2, epochs=2)
+    _epoch_fit(model, tmp_path, 2, epochs=1, save_to=tmp_path / "two")
+    resumed = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
+    assert resumed.losses == whole.losses[2:]
+    expected, actual = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+    on_one = _epoch_fit(model, tmp_path, 1, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
+    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_one)
+    _epoch_fit(model, tmp_path, 1, epochs=1, save_to=tmp_path / "one")
+    on_two = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "one" / "last.ckpt")
+    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_two)
+
+
 def test_each_rank_holds_half_the_store_and_moves_the_least(tmp_path: Path) -> None:
     """Per micro-batch each block is gathered once for the forward and once for the backward (the recompute
     shares it) and its gradients are reduce-scattered once: each time a rank receives, or sends, the other
@@ -231,12 +288,3 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
 def test_unsupported_combinations_are_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(MisconfigurationException, match="compressed optimizer state"):
         quiet_trainer(MegaTrainStrategy(optimizer_compression="int8"), 1, [], devices=2)
-    loader = DataLoader(_rows(1), batch_size=BATCH)
-    trainer = quiet_trainer(
-        MegaTrainStrategy(start_method="fork"), 1, [], devices=2, enable_checkpointing=True
-    )
-    with pytest.raises(Exception, match="enable_checkpointing=False"):
-        trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=loader)
-    trainer = quiet_trainer(MegaTrainStrategy(start_method="fork"), 1, [], devices=2)
-    with pytest.raises(Exception, match="does not save or load checkpoints with more than one device"):
-        trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=loader, ckpt_path=tmp_path / "a.ckpt")

@@ -95,16 +95,17 @@ class _ShardedStore:
     def pinned(
         self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[Tensor]:
-        """With ``span``: that part of the own shard. Without: a gathered copy of the whole block (a read;
-        collective like a full ``state_dict`` under FSDP: every rank reads, as Lightning's hooks do, e.g. the
-        ``param.grad`` of ``zero_grad``)."""
+        """With ``span``: that part of the own shard. Without: the whole block, gathered (collective like a
+        full ``state_dict`` under FSDP: every rank reads, as Lightning's hooks do, e.g. the ``param.grad`` of
+        ``zero_grad``, and every rank writes, as loading a checkpoint does)."""
         if span is not None:
             with super().pinned(block, kind, write, span) as flat:
                 yield flat
-            return
-        if write:
-            raise RuntimeError("megatrain: a sharded store writes whole blocks through `rewriting` only")
-        yield self.read(block, kind)
+        elif write:
+            with self._whole_block(block, kind) as full:
+                yield full
+        else:
+            yield self.read(block, kind)
 
     def read(self, block: int, kind: str) -> Tensor:
         """The whole block's ``kind``, gathered from every rank's shard (a fresh buffer; collective)."""
@@ -113,10 +114,17 @@ class _ShardedStore:
 
     @contextlib.contextmanager
     def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
-        """The whole block to change in place (collective): it starts as gathered; what rank 0 leaves in
-        it becomes every rank's, each keeping its shard (the ranks' models might differ, rank 0's wins)."""
+        """``pinned(write=True)`` for a change made in this thread (adopting or loading weights)."""
         self.wait_for_change(block)
         self.will_change(block)
+        with self._whole_block(block, kind) as full:
+            yield full
+        self.written(block, [kind])
+
+    @contextlib.contextmanager
+    def _whole_block(self, block: int, kind: str) -> Iterator[Tensor]:
+        """The whole block to change in place (collective): it starts as gathered; what rank 0 leaves in
+        it becomes every rank's, each keeping its shard (the ranks' models might differ, rank 0's wins)."""
         full = self._gather_ranks(block, kind)
         yield full[: self.blocks[block].numel]
         dist.broadcast(full, src=0)
@@ -124,7 +132,6 @@ class _ShardedStore:
         if hi > lo:
             with super().pinned(block, kind, write=True, span=(lo, hi)) as own:
                 own.copy_(full[lo:hi])
-        self.written(block, [kind])
 
     def _gather_ranks(self, block: int, kind: str) -> Tensor:
         """Every rank's shard of ``block``'s ``kind`` in rank order, padding included."""
