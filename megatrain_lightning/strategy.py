@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from megatrain_lightning import budgets
-from megatrain_lightning.engine.distributed import Shard
+from megatrain_lightning.engine.distributed import Shard, ShardedGrads
 from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.engine.threads import update_workers
@@ -442,6 +442,8 @@ class MegaTrainStrategy(ParallelStrategy):
             ),
         )
         optimizer.defer_updates = bool(trainer.gradient_clip_val) or _reads_final_gradients(trainer)
+        if isinstance(engine.grads, ShardedGrads):  # manual optimization: every backward reduces, as DDP's
+            engine.grads.reduce_at_once = not module.automatic_optimization
         if engine.optimizer is not None:
             engine.optimizer.close()
         engine.optimizer = optimizer

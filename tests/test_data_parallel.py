@@ -52,19 +52,39 @@ class SyncedLM(UserLM):
 
 
 class ManualLM(SyncedLM):
-    """Manual optimization: the backward runs before the optimizer's step, and the module clips itself."""
+    """Manual optimization: the backward runs before the optimizer's step, and the module clips itself and
+    reads a gradient (on two ranks: the mean over them, gathered)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
+        self.grad_norms: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         loss = super().training_step(batch, batch_idx)
         self.manual_backward(loss)
+        self.grad_norms.append(float(self.model.model.layers[0].mlp.down_proj.weight.grad.norm()))
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
         optimizer.step()
         optimizer.zero_grad()
+        return loss
+
+
+class SometimesLM(SyncedLM):
+    """A layer only the first micro-batch of each accumulation window uses: its sums, kept on each rank
+    while accumulating, are reduced at the step without a gradient of the stepping micro-batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sometimes = torch.nn.Linear(4, 1)
+        torch.nn.init.constant_(self.sometimes.weight, 0.1)  # the same in every module built
+        torch.nn.init.zeros_(self.sometimes.bias)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0:
+            loss = loss + self.sometimes(batch[:, :4].float() / 256).mean()
         return loss
 
 
@@ -114,6 +134,7 @@ class RankProbe(L.Callback):
             "store_dir": getattr(store, "directory", None),
             "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
             "traffic": self.traffic,
+            "grad_norms": getattr(pl_module, "grad_norms", None),
         }
         torch.save(report, self.out / f"rank{trainer.global_rank}.pt")
 
@@ -179,8 +200,9 @@ def _dp_fit(
         ("gpt2", 3, SyncedLM, dict(gradient_clip_val=0.5)),  # tied embeddings and head
         ("llama", 2, ManualLM, {}),
         ("mixtral", 2, SyncedLM, dict(gradient_clip_val=0.5, accumulate_grad_batches=2)),  # experts
+        ("llama", 2, SometimesLM, dict(accumulate_grad_batches=2)),
     ],
-    ids=["llama-accumulate", "gpt2-clip", "llama-manual-clip", "moe-clip-accumulate"],
+    ids=["llama-accumulate", "gpt2-clip", "llama-manual-clip", "moe-clip-accumulate", "llama-sometimes"],
 )
 def test_two_ranks_train_as_one_with_the_doubled_batch(
     arch: str, steps: int, module_cls: type[UserLM], options: dict[str, Any], tmp_path: Path
@@ -194,6 +216,8 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
         (2, 1, "DistributedSampler"),
     ]
     assert reports[0]["losses"] == reports[1]["losses"]  # reduced over the ranks
+    if module_cls is ManualLM:
+        assert reports[0]["grad_norms"] == pytest.approx(plain.module.grad_norms, rel=1e-6)
     synced = float(paged.trainer.callback_metrics["synced_loss"])
     accumulate = options.get("accumulate_grad_batches", 1)
     assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided

@@ -95,9 +95,9 @@ class _ShardedStore:
     def pinned(
         self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[Tensor]:
-        """With ``span``: that part of the own shard. Without: the whole block, gathered (collective like a
-        full ``state_dict`` under FSDP: every rank reads, as Lightning's hooks do, e.g. the ``param.grad`` of
-        ``zero_grad``, and every rank writes, as loading a checkpoint does)."""
+        """With ``span`` (of the own shard): that part of it. Without: the whole block, gathered (collective
+        like a full ``state_dict`` under FSDP: every rank reads, as Lightning's hooks do, and every rank
+        writes, as loading a checkpoint does)."""
         if span is not None:
             with super().pinned(block, kind, write, span) as flat:
                 yield flat
@@ -132,6 +132,20 @@ class _ShardedStore:
         if hi > lo:
             with super().pinned(block, kind, write=True, span=(lo, hi)) as own:
                 own.copy_(full[lo:hi])
+
+    def read_span(self, block: int, kind: str, span: tuple[int, int]) -> Tensor:
+        """Block elements ``span`` of ``kind``, summed from the ranks' own parts and zeros elsewhere
+        (collective, as ``read``: e.g. the ``param.grad`` every rank reads in Lightning's ``zero_grad``):
+        a parameter's read moves its own size, not its block's."""
+        self.wait_for_change(block)
+        lo, hi = self.shard.owned(self.blocks[block])
+        start, stop = max(span[0], lo), min(span[1], hi)
+        part = torch.zeros(span[1] - span[0], dtype=self.layout(block, kind)[0])
+        if start < stop:
+            with super().pinned(block, kind, span=(start, stop)) as own:
+                part[start - span[0] : stop - span[0]] = own
+        dist.all_reduce(part)
+        return part
 
     def _gather_ranks(self, block: int, kind: str) -> Tensor:
         """Every rank's shard of ``block``'s ``kind`` in rank order, padding included."""
@@ -193,9 +207,10 @@ class GatheredViews(HostViews):
 
 
 class ShardedGrads(HostGrads):
-    """Gradient sums of this rank's shards. ``reduce_at_once`` (set by the optimizer while its step's
-    closure runs): each offload is reduce-scattered at once; otherwise gradients are summed locally in full
-    until :meth:`reduce_local` (or the next offload while reducing) reduces them."""
+    """Gradient sums of this rank's shards. ``reduce_at_once`` (set while the optimizer's step runs its
+    closure, and in manual optimization): each offload is reduce-scattered at once, as under DDP; otherwise
+    gradients are summed locally in full until :meth:`reduce_local` (or the next offload while reducing)
+    reduces them, as under DDP's ``no_sync`` while Lightning accumulates."""
 
     def __init__(
         self, store: ShardedHostStore | ShardedDiskStore, device: torch.device, stats: EngineStats

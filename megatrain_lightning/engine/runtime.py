@@ -300,8 +300,8 @@ class Engine:
                 stacklevel=3,
             )
             return None
-        with self.store.pinned(block, "grad") as flat:
-            return self.blocks[block].views(flat)[index].clone()
+        spec = self.blocks[block].params[index]
+        return self.store.read_span(block, "grad", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
 
     def close(self) -> None:
         """Stop the worker threads, give the module plain parameters back and release the store (the disk

@@ -28,7 +28,7 @@ class ShardedCPUAdamW(CPUAdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        self.grads.reduce_at_once = True
+        reducing, self.grads.reduce_at_once = self.grads.reduce_at_once, True
         try:
             if closure is None:
                 self.grads.reduce_local()
@@ -41,7 +41,7 @@ class ShardedCPUAdamW(CPUAdamW):
 
             return super().step(reduced_closure)
         finally:
-            self.grads.reduce_at_once = False
+            self.grads.reduce_at_once = reducing
 
     def clip_grad_value_(self, clip_value: float) -> None:
         self.grads.reduce_local()
