@@ -544,7 +544,9 @@ class MegaTrainStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpointing.recover(checkpoint_path)  # a save killed mid-replace left the previous one aside
+        if self.is_global_zero:  # a save killed mid-replace left the previous one aside: one rank restores it
+            checkpointing.recover(checkpoint_path)
+        self.barrier()
         if not os.path.isdir(checkpoint_path):  # a directory is ours: ``verify`` says what it lacks
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         ckpt = checkpointing.CheckpointDir.verify(checkpoint_path)
