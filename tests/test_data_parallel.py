@@ -88,6 +88,15 @@ class SometimesLM(SyncedLM):
         return loss
 
 
+class KilledInEpoch2(SyncedLM):
+    """Rank 1 is killed in the second epoch (the first one's checkpoint is written)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and self.current_epoch == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
 class FailingLM(UserLM):
     """Rank 1 raises, or is killed, in its second micro-batch."""
 
@@ -242,19 +251,20 @@ def _epoch_fit(
     epochs: int,
     ckpt_path: Path | None = None,
     save_to: Path | None = None,
+    module_cls: type[UserLM] = SyncedLM,
 ) -> Run:
     """Epochs of two micro-batches of ``2 * BATCH`` rows: on two ranks (each ``BATCH``), or on one rank
     with the rows in the order the ranks take them together (:func:`_order`, for the last epoch)."""
     rows = _rows(2)
     callbacks: list[L.Callback] = [RankProbe(out)]
     if save_to is not None:
-        callbacks.append(ModelCheckpoint(dirpath=save_to, save_last=True, save_top_k=0))
+        callbacks.append(ModelCheckpoint(dirpath=save_to, save_last=True))
     if devices == 2:
         strategy, loader = _two_ranks(), DataLoader(rows, batch_size=BATCH)
     else:
         ordered = [rows[i] for i in _order(len(rows), epochs - 1)]
         strategy, loader = MegaTrainStrategy(), DataLoader(ordered, batch_size=2 * BATCH)
-    module = SyncedLM(copy.deepcopy(model), lr=LR)
+    module = module_cls(copy.deepcopy(model), lr=LR)
     trainer = quiet_trainer(
         strategy, -1, callbacks, devices=devices, max_epochs=epochs, enable_checkpointing=save_to is not None
     )
@@ -263,12 +273,14 @@ def _epoch_fit(
     return Run(module, trainer, torch.load(out / "rank0.pt")["losses"])
 
 
-def test_a_checkpoint_of_two_ranks_resumes_exactly_on_two_and_on_one(tmp_path: Path) -> None:
-    """Rank 0 writes the whole model (every rank gathers with it); two ranks resume from it bitwise, one
-    rank resumes from it as one rank trains (and two ranks from one rank's)."""
+def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_one(tmp_path: Path) -> None:
+    """Rank 0 writes the whole model (every rank gathers with it). After a rank was killed, two ranks
+    resume from the last checkpoint bitwise as the run that was not interrupted; one rank resumes from it
+    as one rank trains (and two ranks from one rank's)."""
     model = tiny_model("llama")
     whole = _epoch_fit(model, tmp_path, 2, epochs=2)
-    _epoch_fit(model, tmp_path, 2, epochs=1, save_to=tmp_path / "two")
+    with pytest.raises(Exception, match="SIGKILL"):
+        _epoch_fit(model, tmp_path, 2, epochs=2, save_to=tmp_path / "two", module_cls=KilledInEpoch2)
     resumed = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
     assert resumed.losses == whole.losses[2:]
     expected, actual = whole.state_dict(), resumed.state_dict()
