@@ -3,27 +3,44 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
 from typing_extensions import override
 
 from megatrain_lightning import budgets
+from megatrain_lightning.engine.distributed import Shard, ShardedGrads
 from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.engine.threads import update_workers
 from megatrain_lightning.optim import state_dict as adam_state
+from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
+from megatrain_lightning.optim.sharded import ShardedCPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.serialization import checkpoint as checkpointing
 from megatrain_lightning.serialization.initialization import InitRecorder
@@ -37,6 +54,7 @@ from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_host_ram,
     check_offload_dir,
+    missing_dirs,
     remove_empty_dirs,
 )
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -65,10 +83,30 @@ def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
     remove_empty_dirs(dirs)
 
 
-class MegaTrainStrategy(SingleDeviceStrategy):
+class _RankLauncher(_MultiProcessingLauncher):
+    """``ddp_spawn``'s launcher. Its ranks end with ``os._exit``, which runs no finalizer, so each releases
+    its disk-tier store once its results are collected (its weights were sent by then)."""
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error on its way to the user is the one to see
+                self._strategy.release_disk_store()
+            raise
+        self._strategy.release_disk_store()
+
+
+class MegaTrainStrategy(ParallelStrategy):
     """Train a model larger than device memory: weights and optimizer state live in host memory, blocks
     stream through fixed pools of device slots (one per block size), gradients stream back, a CPU AdamW
     updates the weights.
+
+    With ``Trainer(devices=N, num_nodes=M)`` and ``N * M > 1`` it trains data parallel on
+    ``torch.distributed`` (Lightning's launchers and cluster environments, as DDP): each rank holds
+    1/world of every block's weights, gradients and Adam state, and gathers a block for its forward and
+    backward (:mod:`megatrain_lightning.engine.distributed`). With one process nothing of that runs.
 
     Args:
         max_vram_gb: device memory for parameter slots, in GB, shared out per block size (a slot per block
@@ -94,6 +132,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size.
         zero_copy: on the CPU with fp32 compute and the host tier, blocks compute on the store's weights
             themselves (no slots, nothing copied); ``False`` copies them into slots as on a GPU.
+        start_method: how Lightning starts the ranks of one node with ``devices > 1``, as for DDP:
+            ``"popen"`` (runs the script again per rank; also right under torchrun or SLURM), ``"spawn"``,
+            ``"fork"`` or ``"forkserver"`` (``ddp_spawn``'s multiprocessing launcher).
+        process_group_backend: ``torch.distributed`` backend (default: gloo on the CPU).
+        timeout: how long a collective waits for the other ranks before it fails.
     """
 
     strategy_name = "megatrain"
@@ -113,12 +156,23 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         io_threads: int = 4,
         io_chunk_mb: float = 16,
         zero_copy: bool = True,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cluster_environment: ClusterEnvironment | None = None,
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(device="cpu", accelerator=accelerator, precision_plugin=precision_plugin, **kwargs)
-        self._root_device = None
-        self._parallel_devices: list[torch.device] | None = None
+        super().__init__(
+            accelerator=accelerator,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            **kwargs,
+        )
+        self._num_nodes = 1
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
         self.max_vram_gb = budgets.gb_option("max_vram_gb", max_vram_gb)
         self.max_cpu_gb = budgets.gb_option("max_cpu_gb", max_cpu_gb)
         if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
@@ -144,6 +198,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if self.offload_dir is not None and self.offload_dir != "auto":
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []
+        self._release_store_dirs: Callable[[], Any] = lambda: None
         if self.max_cpu_gb is not None:
             check_host_ram(self.max_cpu_gb)
         self.engine: Engine | None = None
@@ -152,23 +207,117 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     # -- devices --
 
     @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices:
+            return self.parallel_devices[self.local_rank if self.data_parallel else 0]
+        return torch.device("cpu")
 
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        if devices and len(devices) > 1:
-            raise MisconfigurationException(
-                f"megatrain trains on one device; got {len(devices)}. Set `Trainer(devices=1)`."
-            )
-        self._parallel_devices = devices
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether this run has more than one rank (set by the Trainer's ``devices`` and ``num_nodes``)."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning for custom strategies: distributed samplers, ``sync_dist``."""
+        return self.data_parallel
 
     @property
     @override
-    def root_device(self) -> torch.device:
-        if self._parallel_devices:
-            return self._parallel_devices[0]
-        return torch.device("cpu")
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        """One process: no launcher (the Trainer's own). More: Lightning's, as for DDP."""
+        if not self.data_parallel:
+            self._launcher = None
+            return
+        self._check_data_parallel()
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _RankLauncher(self, start_method=self._start_method)
+
+    def release_disk_store(self) -> None:
+        """Close the disk tier's store now and remove its files and the folders made for them (unless kept):
+        for a rank process that ends without running finalizers. No collectives: its peers may be gone."""
+        if self.engine is not None and isinstance(self.engine.store, DiskStore):
+            self.engine.store.close()
+            self._release_store_dirs()
+
+    def _check_data_parallel(self) -> None:
+        """Refuse, before any rank starts, what data parallel does not support yet."""
+        unsupported = []
+        if self.root_device.type != "cpu":
+            unsupported.append(f"accelerator {self.root_device.type!r} (use accelerator='cpu', gloo)")
+        if self.optimizer_compression != "none":
+            unsupported.append("compressed optimizer state (use optimizer_compression='none')")
+        if unsupported:
+            raise MisconfigurationException(
+                f"megatrain trains on {self.num_nodes * self.num_processes} devices on the CPU with fp32 "
+                f"optimizer state only so far; this run asks for {'; '.join(unsupported)}. Or set "
+                "`Trainer(devices=1, num_nodes=1)`."
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.data_parallel:
+            reset_seed()
+            self.set_world_ranks()
+            backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+                self.root_device
+            )
+            self._process_group_backend = backend
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor) and self.data_parallel:
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self.data_parallel and _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not (self.data_parallel and _distributed_is_initialized()):
+            return obj
+        objects = [obj]
+        torch.distributed.broadcast_object_list(objects, src)
+        return objects[0]
 
     # -- precision: a string precision from the Trainer arrives as a generic plugin; make it ours --
 
@@ -236,14 +385,26 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
         config, self._created_dirs = budgets.engine_config(self, blocks)
-        return config
+        if not self.data_parallel:
+            return config
+        offload_dir = config.offload_dir
+        if offload_dir is not None:  # each rank's files in a folder of its own (ranks may share a disk)
+            # The folders one rank made for this run are every rank's to remove: the last one out does.
+            made: list[list[str]] = [[] for _ in range(self.world_size)]
+            torch.distributed.all_gather_object(made, self._created_dirs)
+            shared = sorted({path for paths in made for path in paths}, key=lambda p: -p.count(os.sep))
+            offload_dir = os.path.join(offload_dir, f"rank{self.global_rank}")
+            self._created_dirs = missing_dirs(offload_dir) + shared
+        return dataclasses.replace(
+            config, offload_dir=offload_dir, shard=Shard(self.global_rank, self.world_size)
+        )
 
     def _remove_created_dirs_with_store(self) -> None:
         """The folders ``offload_dir`` needed go when the store's files do (at once if there is no store)."""
         dirs, self._created_dirs = self._created_dirs, []
         store = self.engine.store if self.engine is not None else None
         if isinstance(store, DiskStore):
-            weakref.finalize(store, _remove_after, store._cleanup, dirs)
+            self._release_store_dirs = weakref.finalize(store, _remove_after, store._cleanup, dirs)
         else:
             remove_empty_dirs(dirs)
 
@@ -272,6 +433,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             locate[id(param)] = engine.locations[name]
         optimizer = cpu_adamw_from(
             self.optimizers[0],
+            cls=ShardedCPUAdamW if engine.config.shard is not None else CPUAdamW,
             store=engine.store,
             grads=engine.grads,
             locate=locate,
@@ -282,6 +444,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             ),
         )
         optimizer.defer_updates = bool(trainer.gradient_clip_val) or _reads_final_gradients(trainer)
+        if isinstance(engine.grads, ShardedGrads):  # manual optimization: every backward reduces, as DDP's
+            engine.grads.reduce_at_once = not module.automatic_optimization
         if engine.optimizer is not None:
             engine.optimizer.close()
         engine.optimizer = optimizer
@@ -364,7 +528,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """A checkpoint directory at ``filepath`` (:mod:`megatrain_lightning.serialization.checkpoint`)."""
+        """A checkpoint directory at ``filepath`` (:mod:`megatrain_lightning.serialization.checkpoint`). Data
+        parallel: every rank takes part in gathering the blocks, rank 0 writes them (a checkpoint of the
+        whole model, which any number of ranks can load)."""
         engine = self.engine
         assert engine is not None
         engine.wait_all()
@@ -375,11 +541,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if not self._checkpoint_size_logged:
             self._checkpoint_size_logged = True
             checkpointing.announce_size(os.fspath(filepath), engine, optimizer)
-        checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer)
+        write = self.is_global_zero
+        checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer, write=write)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpointing.recover(checkpoint_path)  # a save killed mid-replace left the previous one aside
+        if self.is_global_zero:  # a save killed mid-replace left the previous one aside: one rank restores it
+            checkpointing.recover(checkpoint_path)
+        self.barrier()
         if not os.path.isdir(checkpoint_path):  # a directory is ours: ``verify`` says what it lacks
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         ckpt = checkpointing.CheckpointDir.verify(checkpoint_path)
@@ -439,6 +608,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        if self.data_parallel and self.cluster_environment is not None:
+            self.cluster_environment.teardown()
 
     @classmethod
     @override

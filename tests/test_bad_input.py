@@ -228,7 +228,11 @@ CASES = [
         lambda t, f: lambda: _fit(t, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]),
     ),
     # devices and precision
-    Case("devices=2", "trains on one device", lambda t, f: lambda: _fit(t, devices=2)),
+    Case(
+        "devices=2 with compressed optimizer state",
+        "compressed optimizer state",
+        lambda t, f: lambda: _fit(t, strategy=MegaTrainStrategy(optimizer_compression="int8"), devices=2),
+    ),
     Case(
         "precision='64-true'",
         "megatrain supports precision",

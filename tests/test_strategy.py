@@ -188,11 +188,6 @@ def test_unsupported_optimizer():
         _trainer(max_steps=1).fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2))
 
 
-def test_more_than_one_device():
-    with pytest.raises(MisconfigurationException, match="one device"):
-        _trainer(devices=2)
-
-
 def test_unsupported_precision_and_options():
     with pytest.raises(MisconfigurationException, match="precision"):
         _trainer(precision="64-true")

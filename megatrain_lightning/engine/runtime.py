@@ -50,6 +50,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
+from megatrain_lightning.engine.distributed import (
+    GatheredViews,
+    Shard,
+    ShardedDiskStore,
+    ShardedGrads,
+    ShardedHostStore,
+)
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
@@ -85,6 +92,7 @@ class EngineConfig:
     keep_offload_dir: bool = False
     io: IOConfig = field(default_factory=IOConfig)
     zero_copy: bool = True  # where the device is the host, compute on the store's weights (host_views.py)
+    shard: Shard | None = None  # data parallel: this rank's share of every block (engine/distributed.py)
 
     @property
     def binds_store(self) -> bool:
@@ -100,8 +108,11 @@ class EngineConfig:
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
+            if self.shard is not None:
+                return ShardedHostStore(self.shard, blocks, stats, self.io.chunk_numel)
             return HostStore(blocks, self.pin_memory, stats, self.io.chunk_numel)
-        return DiskStore(
+        disk_store = DiskStore if self.shard is None else functools.partial(ShardedDiskStore, self.shard)
+        return disk_store(
             blocks,
             self.offload_dir,
             self.cache_bytes,
@@ -136,7 +147,9 @@ class Engine:
         self.weights = weights
         self.store = weights.store
         self.locations = weights.locations
-        self.grads = HostGrads(self.store, config.device, self.stats)
+        self.grads = (ShardedGrads if config.shard is not None else HostGrads)(
+            self.store, config.device, self.stats
+        )
         self.optimizer: Any = None  # CPUAdamW once fitting
         self._cadence = UpdateCadence()
         self._anchor = torch.zeros((), requires_grad=True)
@@ -187,6 +200,9 @@ class Engine:
         self.pager = self._make_pager(config)
 
     def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
+        if config.shard is not None:
+            layout = SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision)
+            return GatheredViews(self.store, self.stats, layout)
         if config.binds_store:
             self.store.define_shadow(None)
             return HostViews(self.store, self.stats)
@@ -288,8 +304,8 @@ class Engine:
                 stacklevel=3,
             )
             return None
-        with self.store.pinned(block, "grad") as flat:
-            return self.blocks[block].views(flat)[index].clone()
+        spec = self.blocks[block].params[index]
+        return self.store.read_span(block, "grad", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
 
     def close(self) -> None:
         """Stop the worker threads, give the module plain parameters back and release the store (the disk
@@ -416,7 +432,8 @@ class Engine:
         if optimizer is not None:
             optimizer.wait_for_room()
             optimizer.claim_gradients(block.index)
-        if found:
+        # Data parallel: every rank joins the block's reduction, with gradients of its own or none.
+        if found or self.config.shard is not None:
             # Without a trace to say otherwise, a block with one call site is used once per pass.
             final = last_use or (not self.pager.trace.following and len(block.sites) == 1)
             self.grads.offload(block.index, found, final, ready)
@@ -429,7 +446,7 @@ def _nothing() -> None:
 
 
 def _check_same_tier(built_for: EngineConfig, config: EngineConfig) -> None:
-    fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir")
+    fixed = ("device", "pin_memory", "offload_dir", "keep_offload_dir", "shard")
     if any(getattr(config, f) != getattr(built_for, f) for f in fixed):
         raise MisconfigurationException(
             f"megatrain: this model's store was built for {built_for.device} with offload_dir="

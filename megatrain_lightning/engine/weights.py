@@ -89,8 +89,8 @@ class StoredWeights:
 
     def read_param(self, block: int, index: int) -> Tensor:
         """A copy of one parameter's current master weights (the store waits for a pending update)."""
-        with self.store.pinned(block, "param") as flat:
-            return self.blocks[block].views(flat)[index].clone()
+        spec = self.blocks[block].params[index]
+        return self.store.read_span(block, "param", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
 
     def read_grad(self, block: int, index: int) -> Tensor | None:
         engine = self.engine

@@ -15,8 +15,8 @@ from megatrain_lightning.optim.adamw import CPUAdamW
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 
 
-def cpu_adamw_from(optimizer: Optimizer, **kwargs: Any) -> CPUAdamW:
-    """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW``.
+def cpu_adamw_from(optimizer: Optimizer, cls: type[CPUAdamW] = CPUAdamW, **kwargs: Any) -> CPUAdamW:
+    """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW`` (or subclass ``cls``).
 
     The new optimizer shares ``optimizer``'s param-group dicts (so whatever changes their ``lr`` or
     ``betas`` changes this one's) and its class name (``LearningRateMonitor`` logs ``lr-AdamW``);
@@ -34,7 +34,7 @@ def cpu_adamw_from(optimizer: Optimizer, **kwargs: Any) -> CPUAdamW:
             "megatrain's CPU AdamW does not support `amsgrad=True`; set it to False."
         )
     decoupled = type(optimizer) is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
-    return _named_like(CPUAdamW, type(optimizer).__name__)(
+    return _named_like(cls, type(optimizer).__name__)(
         optimizer.param_groups, decoupled_weight_decay=decoupled, **kwargs
     )
 

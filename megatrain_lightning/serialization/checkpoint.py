@@ -167,9 +167,20 @@ def _block_file(kind: str, block: int) -> str:
     return f"{kind}/block-{block:05d}.safetensors"
 
 
-def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
+def save(
+    path: str,
+    engine: Any,
+    module: nn.Module,
+    lightning_state: dict[str, Any],
+    optimizer: Any,
+    write: bool = True,
+) -> None:
     """Write a checkpoint directory, one block in memory at a time; on a failed write the partial copy is
-    removed and the previous checkpoint stays."""
+    removed and the previous checkpoint stays. ``write=False``: read what a save reads and write nothing
+    (data parallel: the other ranks join the gathers of rank 0's save)."""
+    if not write:
+        _write(_Discard(), engine, module, lightning_state, optimizer)
+        return
     check_free_space(path, checkpoint_bytes(engine, optimizer))
     writer = CheckpointWriter(path)
     try:
@@ -218,6 +229,25 @@ def _write(
     writer.text("README.txt", README)
     writer.lightning_state(lightning_state)
     writer.publish()
+
+
+class _Discard:
+    """A ``CheckpointWriter`` that writes nothing."""
+
+    def __init__(self) -> None:
+        self.manifest: dict[str, Any] = {}
+
+    def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
+        pass
+
+    def text(self, relpath: str, content: str) -> None:
+        pass
+
+    def lightning_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def publish(self) -> None:
+        pass
 
 
 def check_compatible(ckpt: CheckpointDir, engine: Any) -> None:

@@ -225,6 +225,11 @@ class HostStore:
             self._rebuild_shadow(block)
         return self._buffer(block, kind)
 
+    def read_span(self, block: int, kind: str, span: tuple[int, int]) -> Tensor:
+        """A copy of block elements ``span`` of ``kind`` (one parameter's values)."""
+        with self.pinned(block, kind, span=span) as flat:
+            return flat.clone()
+
     def written(self, block: int, kinds: Iterable[str], span: tuple[int, int] | None = None) -> None:
         """``kinds`` of ``block`` (of the chunk ``span``) changed: the disk tier writes them back (nothing
         to do here)."""

@@ -26,6 +26,8 @@ class EngineStats:
     disk_write_s: float = 0.0
     peak_host_cache_bytes: int = 0  # disk tier: most bytes the host cache ever held
     optimizer_state_bytes: int = 0  # bytes the store holds for Adam m, v and their scales
+    gathered_bytes: int = 0  # data parallel: bytes of other ranks' shards received by all-gathers
+    reduce_scattered_bytes: int = 0  # data parallel: bytes of other ranks' shares sent by reduce-scatters
 
     def add(self, **amounts: float) -> None:
         """Add to counters; any thread may (two bare ``+=`` at once can lose one of them)."""

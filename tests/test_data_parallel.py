@@ -1,0 +1,326 @@
+"""Data parallel (issue 16): ``devices=2`` on the CPU (gloo, two forked ranks) trains as one rank with the
+doubled batch, each rank holding half of the store; a failing rank stops the run with its error."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer, tiny_model
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from megatrain_lightning import MegaTrainStrategy
+
+BATCH = 2  # per rank; the single-rank reference trains on 2 * BATCH rows per micro-batch
+# Two ranks' half-batch gradients summed are not bitwise the whole batch's, and Adam's first steps turn
+# that rounding into weight differences proportional to the learning rate (where a gradient is about as
+# small as ``eps``): at 3e-3 plain Lightning itself, fed the same rows as two accumulated half batches,
+# ends 1.4e-5 away from the whole batches. At this rate that noise stays well under the 1e-6 compared.
+LR = 1e-4
+EPS = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _fresh_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A free port per test; the launcher's ``MASTER_PORT`` in this process goes with the test."""
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+
+
+class SyncedLM(UserLM):
+    """Also logs the loss averaged over ranks (``sync_dist``), which the launcher brings back to this process.
+    Adam with a large ``eps`` follows the gradients' scale (with the default it hardly does), so that the
+    mean over ranks is checked, not only the direction."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=EPS)
+
+
+class ManualLM(SyncedLM):
+    """Manual optimization: the backward runs before the optimizer's step, and the module clips itself and
+    reads a gradient (on two ranks: the mean over them, gathered)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        self.grad_norms.append(float(self.model.model.layers[0].mlp.down_proj.weight.grad.norm()))
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+class SometimesLM(SyncedLM):
+    """A layer only the first micro-batch of each accumulation window uses: its sums, kept on each rank
+    while accumulating, are reduced at the step without a gradient of the stepping micro-batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sometimes = torch.nn.Linear(4, 1)
+        torch.nn.init.constant_(self.sometimes.weight, 0.1)  # the same in every module built
+        torch.nn.init.zeros_(self.sometimes.bias)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0:
+            loss = loss + self.sometimes(batch[:, :4].float() / 256).mean()
+        return loss
+
+
+class KilledInEpoch2(SyncedLM):
+    """Rank 1 is killed in the second epoch (the first one's checkpoint is written)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and self.current_epoch == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
+class FailingLM(UserLM):
+    """Rank 1 raises, or is killed, in its second micro-batch."""
+
+    kill = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx == 1:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("rank 1 failed on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+class KilledLM(FailingLM):
+    kill = True
+
+
+class RankProbe(L.Callback):
+    """In every rank: the loss averaged over ranks per micro-batch and what the rank saw, saved to ``out``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[float] = []
+        self.traffic = [0, 0]  # bytes gathered and reduce-scattered in training micro-batches
+
+    def _moved(self, trainer) -> list[int]:
+        return [trainer.strategy.stats.gathered_bytes, trainer.strategy.stats.reduce_scattered_bytes]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.traffic = [t - now for t, now in zip(self.traffic, self._moved(trainer), strict=True)]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.traffic = [t + now for t, now in zip(self.traffic, self._moved(trainer), strict=True)]
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        store = trainer.strategy.engine.store
+        report = {
+            "losses": self.losses,
+            "world_size": trainer.world_size,
+            "global_rank": trainer.global_rank,
+            "sampler": type(trainer.train_dataloader.sampler).__name__,
+            "store_bytes": store.nbytes(),
+            "store_dir": getattr(store, "directory", None),
+            "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
+            "traffic": self.traffic,
+            "grad_norms": getattr(pl_module, "grad_norms", None),
+        }
+        torch.save(report, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _two_ranks(**options: Any) -> MegaTrainStrategy:
+    """Forked ranks; a collective that waits over a minute fails (a test's bug would hang for 30)."""
+    return MegaTrainStrategy(start_method="fork", timeout=timedelta(minutes=1), **options)
+
+
+def _rows(micro_batches: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return list(torch.randint(0, 256, (micro_batches * 2 * BATCH, 16), generator=generator))
+
+
+def _order(n: int, epoch: int) -> list[int]:
+    """The permutation Lightning's ``DistributedSampler`` deals the rows of ``epoch`` from (seeded by
+    ``PL_GLOBAL_SEED``, one more per epoch); rank ``r`` takes every other row from ``r`` on."""
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0)) + epoch
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _plain_fit(
+    model: torch.nn.Module, steps: int, module_cls: type[UserLM] = SyncedLM, **trainer_kwargs: Any
+) -> Run:
+    """The reference: plain Lightning, one process, ``2 * BATCH`` rows per micro-batch: those the two ranks
+    see together (Lightning's ``DistributedSampler`` shuffles training data: in :func:`_order`)."""
+    module, recorder = module_cls(copy.deepcopy(model), lr=LR), LossRecorder()
+    trainer = quiet_trainer("auto", steps, [recorder], **trainer_kwargs)
+    rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
+    torch.manual_seed(1)
+    ordered = [rows[i] for i in _order(len(rows), 0)]
+    trainer.fit(module, train_dataloaders=DataLoader(ordered, batch_size=2 * BATCH))
+    return Run(module, trainer, recorder.losses)
+
+
+def _dp_fit(
+    model: torch.nn.Module,
+    out: Path,
+    steps: int,
+    module_cls: type[UserLM] = SyncedLM,
+    validate: bool = False,
+    strategy_kwargs: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[Run, list[dict[str, Any]]]:
+    """megatrain on two forked ranks, ``BATCH`` rows each (Lightning's ``DistributedSampler`` splits them).
+    The launcher loads rank 0's final weights into this process's module."""
+    module = module_cls(copy.deepcopy(model), lr=LR)
+    strategy = _two_ranks(**(strategy_kwargs or {}))
+    trainer = quiet_trainer(strategy, steps, [RankProbe(out)], devices=2, **trainer_kwargs)
+    rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
+    torch.manual_seed(1)
+    val = DataLoader(_rows(1), batch_size=BATCH) if validate else None
+    trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=BATCH), val_dataloaders=val)
+    reports = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return Run(module, trainer, reports[0]["losses"]), reports
+
+
+@pytest.mark.parametrize(
+    ("arch", "steps", "module_cls", "options"),
+    [
+        # Clipping that fires scales every step's gradients to one norm: this case checks their scale.
+        ("llama", 2, SyncedLM, dict(accumulate_grad_batches=2)),
+        ("gpt2", 3, SyncedLM, dict(gradient_clip_val=0.5)),  # tied embeddings and head
+        ("llama", 2, ManualLM, {}),
+        ("mixtral", 2, SyncedLM, dict(gradient_clip_val=0.5, accumulate_grad_batches=2)),  # experts
+        ("llama", 2, SometimesLM, dict(accumulate_grad_batches=2)),
+    ],
+    ids=["llama-accumulate", "gpt2-clip", "llama-manual-clip", "moe-clip-accumulate", "llama-sometimes"],
+)
+def test_two_ranks_train_as_one_with_the_doubled_batch(
+    arch: str, steps: int, module_cls: type[UserLM], options: dict[str, Any], tmp_path: Path
+) -> None:
+    model = tiny_model(arch)
+    plain = _plain_fit(model, steps, module_cls, **options)
+    paged, reports = _dp_fit(model, tmp_path, steps, module_cls, **options)
+    assert_same_training(plain, paged)
+    assert [(r["world_size"], r["global_rank"], r["sampler"]) for r in reports] == [
+        (2, 0, "DistributedSampler"),
+        (2, 1, "DistributedSampler"),
+    ]
+    assert reports[0]["losses"] == reports[1]["losses"]  # reduced over the ranks
+    if module_cls is ManualLM:
+        assert reports[0]["grad_norms"] == pytest.approx(plain.module.grad_norms, rel=1e-6)
+    synced = float(paged.trainer.callback_metrics["synced_loss"])
+    accumulate = options.get("accumulate_grad_batches", 1)
+    assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
+
+
+def test_the_disk_tier_keeps_each_ranks_shard_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    model, offload = tiny_model("llama"), tmp_path / "offload"
+    options = dict(gradient_clip_val=0.5, accumulate_grad_batches=2)
+    plain = _plain_fit(model, 2, **options)
+    paged, reports = _dp_fit(model, tmp_path, 2, strategy_kwargs=dict(offload_dir=offload), **options)
+    assert_same_training(plain, paged)
+    assert [r["store_dir"] for r in reports] == [
+        str(offload / f"rank{r}" / "megatrain_store") for r in (0, 1)
+    ]
+    assert not offload.exists()  # made for the run, removed with its stores
+
+
+def _epoch_fit(
+    model: torch.nn.Module,
+    out: Path,
+    devices: int,
+    epochs: int,
+    ckpt_path: Path | None = None,
+    save_to: Path | None = None,
+    module_cls: type[UserLM] = SyncedLM,
+) -> Run:
+    """Epochs of two micro-batches of ``2 * BATCH`` rows: on two ranks (each ``BATCH``), or on one rank
+    with the rows in the order the ranks take them together (:func:`_order`, for the last epoch)."""
+    rows = _rows(2)
+    callbacks: list[L.Callback] = [RankProbe(out)]
+    if save_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, save_last=True))
+    if devices == 2:
+        strategy, loader = _two_ranks(), DataLoader(rows, batch_size=BATCH)
+    else:
+        ordered = [rows[i] for i in _order(len(rows), epochs - 1)]
+        strategy, loader = MegaTrainStrategy(), DataLoader(ordered, batch_size=2 * BATCH)
+    module = module_cls(copy.deepcopy(model), lr=LR)
+    trainer = quiet_trainer(
+        strategy, -1, callbacks, devices=devices, max_epochs=epochs, enable_checkpointing=save_to is not None
+    )
+    torch.manual_seed(1)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return Run(module, trainer, torch.load(out / "rank0.pt")["losses"])
+
+
+def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_one(tmp_path: Path) -> None:
+    """Rank 0 writes the whole model (every rank gathers with it). After a rank was killed, two ranks
+    resume from the last checkpoint bitwise as the run that was not interrupted; one rank resumes from it
+    as one rank trains (and two ranks from one rank's)."""
+    model = tiny_model("llama")
+    whole = _epoch_fit(model, tmp_path, 2, epochs=2)
+    with pytest.raises(Exception, match="SIGKILL"):
+        _epoch_fit(model, tmp_path, 2, epochs=2, save_to=tmp_path / "two", module_cls=KilledInEpoch2)
+    resumed = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
+    assert resumed.losses == whole.losses[2:]
+    expected, actual = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+    on_one = _epoch_fit(model, tmp_path, 1, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
+    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_one)
+    _epoch_fit(model, tmp_path, 1, epochs=1, save_to=tmp_path / "one")
+    on_two = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "one" / "last.ckpt")
+    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_two)
+
+
+def test_each_rank_holds_half_the_store_and_moves_the_least(tmp_path: Path) -> None:
+    """Per micro-batch each block is gathered once for the forward and once for the backward (the recompute
+    shares it) and its gradients are reduce-scattered once: each time a rank receives, or sends, the other
+    ranks' shards and nothing more. (Validation runs too: its forwards gather as well.)"""
+    model = tiny_model("llama")
+    module = UserLM(copy.deepcopy(model))
+    single = quiet_trainer(MegaTrainStrategy(), 1, [])
+    single.fit(module, train_dataloaders=DataLoader(_rows(1), batch_size=2 * BATCH))
+    whole = single.strategy.engine.store.nbytes()
+    steps = 2
+    _, reports = _dp_fit(model, tmp_path, steps, validate=True, limit_val_batches=1)
+    for r in reports:
+        assert 0 < r["store_bytes"] <= 0.55 * whole, (whole, r)
+        others = (2 - 1) * r["shard_bytes"]  # world - 1 shards
+        assert r["traffic"] == [2 * steps * others, steps * others]
+
+
+@pytest.mark.parametrize(
+    ("module_cls", "error"),
+    [(FailingLM, "rank 1 failed on purpose"), (KilledLM, "process 1 terminated with signal SIGKILL")],
+    ids=["raises", "killed"],
+)
+def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(Exception, match=error):
+        _dp_fit(tiny_model("llama"), tmp_path, 4, module_cls=module_cls)
+    assert time.monotonic() - start < 60
+
+
+def test_unsupported_combinations_are_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(MisconfigurationException, match="compressed optimizer state"):
+        quiet_trainer(MegaTrainStrategy(optimizer_compression="int8"), 1, [], devices=2)
