@@ -17,7 +17,9 @@ from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.store import sizing
+from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
+from megatrain_lightning.store.memory import ALIGNMENT
 from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_disk_space,
@@ -52,6 +54,15 @@ def int_option(name: str, value: Any, least: int, auto: bool = False) -> int | s
         choices = "'auto' or an int" if auto else "an int"
         raise MisconfigurationException(f"`{name}` must be {choices} >= {least}; got {value!r}.")
     return value
+
+
+def io_option(threads: Any, chunk_mb: Any) -> IOConfig:
+    """``io_threads`` and ``io_chunk_mb``, the chunk in whole pages (O_DIRECT moves page-aligned lengths)."""
+    int_option("io_threads", threads, least=1)
+    if gb_option("io_chunk_mb", chunk_mb) is None:
+        raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
+    chunk_bytes = max(ALIGNMENT, int(chunk_mb * (1 << 20)) // ALIGNMENT * ALIGNMENT)
+    return IOConfig(chunk_bytes=chunk_bytes, threads=threads)
 
 
 def gb_option(name: str, value: Any) -> float | None:

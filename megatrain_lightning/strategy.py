@@ -3,37 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
-from megatrain_lightning import budgets
-from megatrain_lightning.engine.distributed import Shard, ShardedGrads
+from megatrain_lightning import budgets, user_code
+from megatrain_lightning.engine.distributed import ShardedGrads
 from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.engine.threads import update_workers
@@ -42,19 +29,17 @@ from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
 from megatrain_lightning.optim.sharded import ShardedCPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
+from megatrain_lightning.ranks import RankedStrategy, StartMethod
 from megatrain_lightning.serialization import checkpoint as checkpointing
 from megatrain_lightning.serialization.initialization import InitRecorder
 from megatrain_lightning.serialization.meta import init_on_meta
 from megatrain_lightning.store import sizing
 from megatrain_lightning.store.disk import DiskStore
-from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
-from megatrain_lightning.store.memory import ALIGNMENT
 from megatrain_lightning.store.preflight import (
     available_ram_bytes,
     check_host_ram,
     check_offload_dir,
-    missing_dirs,
     remove_empty_dirs,
 )
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -62,20 +47,11 @@ from megatrain_lightning.telemetry.stats import EngineStats
 _GB = 1e9
 
 
-_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")  # where users read gradients
-
-
-def _reads_final_gradients(trainer: pl.Trainer) -> bool:
-    """Whether user code may see or change the summed gradients before the optimizer step (clipping,
-    gradient norms in ``on_before_optimizer_step``): then no block is updated before the backward ends."""
-    module = trainer.lightning_module
-    return (
-        # Manual optimization may clip (`self.clip_gradients`) after a backward inside `opt.step(closure)`.
-        not module.automatic_optimization
-        or is_overridden("configure_gradient_clipping", module, pl.LightningModule)
-        or any(is_overridden(hook, module, pl.LightningModule) for hook in _GRADIENT_HOOKS)
-        or any(is_overridden(hook, c, pl.Callback) for hook in _GRADIENT_HOOKS for c in trainer.callbacks)
-    )
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
 
 
 def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
@@ -83,22 +59,7 @@ def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
     remove_empty_dirs(dirs)
 
 
-class _RankLauncher(_MultiProcessingLauncher):
-    """``ddp_spawn``'s launcher. Its ranks end with ``os._exit``, which runs no finalizer, so each releases
-    its disk-tier store once its results are collected (its weights were sent by then)."""
-
-    @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super()._wrapping_function(*args, **kwargs)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the error on its way to the user is the one to see
-                self._strategy.release_disk_store()
-            raise
-        self._strategy.release_disk_store()
-
-
-class MegaTrainStrategy(ParallelStrategy):
+class MegaTrainStrategy(RankedStrategy):
     """Train a model larger than device memory: weights and optimizer state live in host memory, blocks
     stream through fixed pools of device slots (one per block size), gradients stream back, a CPU AdamW
     updates the weights.
@@ -156,7 +117,7 @@ class MegaTrainStrategy(ParallelStrategy):
         io_threads: int = 4,
         io_chunk_mb: float = 16,
         zero_copy: bool = True,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         cluster_environment: ClusterEnvironment | None = None,
@@ -165,14 +126,13 @@ class MegaTrainStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(
             accelerator=accelerator,
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
             cluster_environment=cluster_environment,
             precision_plugin=precision_plugin,
             **kwargs,
         )
-        self._num_nodes = 1
-        self._start_method = start_method
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self.max_vram_gb = budgets.gb_option("max_vram_gb", max_vram_gb)
         self.max_cpu_gb = budgets.gb_option("max_cpu_gb", max_cpu_gb)
         if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
@@ -187,14 +147,9 @@ class MegaTrainStrategy(ParallelStrategy):
         self.prefetch_depth = budgets.int_option("prefetch_depth", prefetch_depth, least=0, auto=True)
         if optimizer_threads is not None:
             budgets.int_option("optimizer_threads", optimizer_threads, least=1)
-        budgets.int_option("io_threads", io_threads, least=1)
-        if budgets.gb_option("io_chunk_mb", io_chunk_mb) is None:
-            raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
         self.optimizer_threads = optimizer_threads
         self.zero_copy = bool(zero_copy)
-        # Whole pages: O_DIRECT calls move page-aligned lengths.
-        chunk_bytes = max(ALIGNMENT, int(io_chunk_mb * (1 << 20)) // ALIGNMENT * ALIGNMENT)
-        self.io = IOConfig(chunk_bytes=chunk_bytes, threads=io_threads)
+        self.io = budgets.io_option(io_threads, io_chunk_mb)
         if self.offload_dir is not None and self.offload_dir != "auto":
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []
@@ -204,120 +159,24 @@ class MegaTrainStrategy(ParallelStrategy):
         self.engine: Engine | None = None
         self._checkpoint_size_logged = False
 
-    # -- devices --
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self.parallel_devices:
-            return self.parallel_devices[self.local_rank if self.data_parallel else 0]
-        return torch.device("cpu")
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices else 1
-
-    @property
-    def data_parallel(self) -> bool:
-        """Whether this run has more than one rank (set by the Trainer's ``devices`` and ``num_nodes``)."""
-        return self.num_nodes * self.num_processes > 1
-
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning for custom strategies: distributed samplers, ``sync_dist``."""
-        return self.data_parallel
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+    # -- ranks (see megatrain_lightning.ranks) --
 
     @override
-    def _configure_launcher(self) -> None:
-        """One process: no launcher (the Trainer's own). More: Lightning's, as for DDP."""
-        if not self.data_parallel:
-            self._launcher = None
-            return
-        self._check_data_parallel()
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = _RankLauncher(self, start_method=self._start_method)
+    def data_parallel_refusals(self) -> list[str]:
+        refusals = []
+        if self.root_device.type != "cpu":
+            refusals.append(f"accelerator {self.root_device.type!r} (use accelerator='cpu', gloo)")
+        if self.optimizer_compression != "none":
+            refusals.append("compressed optimizer state (use optimizer_compression='none')")
+        return refusals
 
+    @override
     def release_disk_store(self) -> None:
         """Close the disk tier's store now and remove its files and the folders made for them (unless kept):
         for a rank process that ends without running finalizers. No collectives: its peers may be gone."""
         if self.engine is not None and isinstance(self.engine.store, DiskStore):
             self.engine.store.close()
             self._release_store_dirs()
-
-    def _check_data_parallel(self) -> None:
-        """Refuse, before any rank starts, what data parallel does not support yet."""
-        unsupported = []
-        if self.root_device.type != "cpu":
-            unsupported.append(f"accelerator {self.root_device.type!r} (use accelerator='cpu', gloo)")
-        if self.optimizer_compression != "none":
-            unsupported.append("compressed optimizer state (use optimizer_compression='none')")
-        if unsupported:
-            raise MisconfigurationException(
-                f"megatrain trains on {self.num_nodes * self.num_processes} devices on the CPU with fp32 "
-                f"optimizer state only so far; this run asks for {'; '.join(unsupported)}. Or set "
-                "`Trainer(devices=1, num_nodes=1)`."
-            )
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        if self.data_parallel:
-            reset_seed()
-            self.set_world_ranks()
-            backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-                self.root_device
-            )
-            self._process_group_backend = backend
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor) and self.data_parallel:
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if self.data_parallel and _distributed_is_initialized():
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not (self.data_parallel and _distributed_is_initialized()):
-            return obj
-        objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src)
-        return objects[0]
 
     # -- precision: a string precision from the Trainer arrives as a generic plugin; make it ours --
 
@@ -353,16 +212,7 @@ class MegaTrainStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
-
-        for callback in trainer.callbacks:  # they keep their own copy of the weights
-            if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
-                raise MisconfigurationException(
-                    f"megatrain does not support `{type(callback).__name__}` yet: it keeps an averaged "
-                    "copy of the model's parameters, while megatrain keeps the weights in its store and "
-                    "holds placeholders in the module. Remove the callback, or train with "
-                    "the default strategy."
-                )
+        user_code.refuse_weight_averaging(trainer)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -385,19 +235,9 @@ class MegaTrainStrategy(ParallelStrategy):
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:
         config, self._created_dirs = budgets.engine_config(self, blocks)
-        if not self.data_parallel:
-            return config
-        offload_dir = config.offload_dir
-        if offload_dir is not None:  # each rank's files in a folder of its own (ranks may share a disk)
-            # The folders one rank made for this run are every rank's to remove: the last one out does.
-            made: list[list[str]] = [[] for _ in range(self.world_size)]
-            torch.distributed.all_gather_object(made, self._created_dirs)
-            shared = sorted({path for paths in made for path in paths}, key=lambda p: -p.count(os.sep))
-            offload_dir = os.path.join(offload_dir, f"rank{self.global_rank}")
-            self._created_dirs = missing_dirs(offload_dir) + shared
-        return dataclasses.replace(
-            config, offload_dir=offload_dir, shard=Shard(self.global_rank, self.world_size)
-        )
+        if self.data_parallel:
+            config, self._created_dirs = self.rank_engine_config(config, self._created_dirs)
+        return config
 
     def _remove_created_dirs_with_store(self) -> None:
         """The folders ``offload_dir`` needed go when the store's files do (at once if there is no store)."""
@@ -412,11 +252,7 @@ class MegaTrainStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         """Only buffers move: parameters live in the store and visit the device through slots."""
         assert self.model is not None
-        device = self.root_device
-        for module in self.model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = buf.to(device)
+        _move_buffers(self.model, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -443,7 +279,7 @@ class MegaTrainStrategy(ParallelStrategy):
                 engine.config.device, engine.config.offload_dir is None, self.optimizer_threads
             ),
         )
-        optimizer.defer_updates = bool(trainer.gradient_clip_val) or _reads_final_gradients(trainer)
+        optimizer.defer_updates = bool(trainer.gradient_clip_val) or user_code.reads_final_gradients(trainer)
         if isinstance(engine.grads, ShardedGrads):  # manual optimization: every backward reduces, as DDP's
             engine.grads.reduce_at_once = not module.automatic_optimization
         if engine.optimizer is not None:
@@ -570,19 +406,7 @@ class MegaTrainStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        ckpt = checkpoint.get("megatrain_checkpoint")
-        optimizer = self.engine.optimizer
-        if ckpt is None:
-            # A single-file checkpoint (the default strategy's, or a converted one) in torch.optim.AdamW's
-            # format: CPUAdamW loads fp32 moments as they are; compressed ones are quantized here.
-            (state,) = checkpoint["optimizer_states"]
-            if optimizer.compression != "none" and "blocks" not in state:
-                blocks = checkpointing.adam_state_as_blocks(state["state"], self.engine, optimizer)
-                state = {"param_groups": state["param_groups"], "state": {}, "blocks": blocks}
-            optimizer.load_state_dict(state)
-            return
-        adam_state.load_param_groups(optimizer, checkpoint["optimizer_states"][0]["param_groups"])
-        checkpointing.load_optimizer(ckpt, self.engine, optimizer)
+        checkpointing.load_optimizer(checkpoint, self.engine, self.engine.optimizer)
 
     # -- the end --
 
@@ -600,10 +424,7 @@ class MegaTrainStrategy(ParallelStrategy):
             if failed:
                 self.engine.end_stopped_run()
         if self.lightning_module is not None:
-            for module in self.lightning_module.modules():
-                for name, buf in module._buffers.items():
-                    if buf is not None:
-                        module._buffers[name] = buf.cpu()
+            _move_buffers(self.lightning_module, torch.device("cpu"))
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

@@ -200,23 +200,16 @@ class Engine:
         self.pager = self._make_pager(config)
 
     def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
-        if config.shard is not None:
-            layout = SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision)
-            return GatheredViews(self.store, self.stats, layout)
-        if config.binds_store:
-            self.store.define_shadow(None)
-            return HostViews(self.store, self.stats)
         layout = SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision)
-        # The host tier keeps the bf16 runs rounded (the disk tier's slots convert the fp32 it reads).
-        self.store.define_shadow(layout.shadow_runs if config.offload_dir is None else None)
-        return Pager(
-            self.store,
-            config.device,
-            layout,
-            slot_pools(layout.block_bytes) if config.slot_pools is None else config.slot_pools,
-            config.prefetch_depth,
-            self.stats,
-        )
+        if config.shard is not None:
+            return GatheredViews(self.store, self.stats, layout)
+        # Slots on the host tier copy the bf16 runs rounded already (the disk tier's convert the fp32 read).
+        slotted_host = config.offload_dir is None and not config.binds_store
+        self.store.define_shadow(layout.shadow_runs if slotted_host else None)
+        if config.binds_store:
+            return HostViews(self.store, self.stats)
+        pools = slot_pools(layout.block_bytes) if config.slot_pools is None else config.slot_pools
+        return Pager(self.store, config.device, layout, pools, config.prefetch_depth, self.stats)
 
     # -- taking the model over --
 

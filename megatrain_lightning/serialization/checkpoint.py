@@ -277,7 +277,23 @@ def _load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
         module.get_buffer(name).copy_(read_tensor(entry))
 
 
-def load_optimizer(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
+def load_optimizer(checkpoint: Mapping[str, Any], engine: Any, optimizer: Any) -> None:
+    """The optimizer state of a loaded checkpoint: a megatrain directory's, or a single-file checkpoint's
+    (the default strategy's, or a converted one) in ``torch.optim.AdamW``'s format, whose fp32 moments
+    ``CPUAdamW`` loads as they are and whose moments are quantized here where the optimizer compresses."""
+    ckpt = checkpoint.get("megatrain_checkpoint")
+    (state,) = checkpoint["optimizer_states"]
+    if ckpt is not None:
+        adam_state.load_param_groups(optimizer, state["param_groups"])
+        _load_optimizer_from(ckpt, engine, optimizer)
+        return
+    if optimizer.compression != "none" and "blocks" not in state:
+        blocks = adam_state_as_blocks(state["state"], engine, optimizer)
+        state = {"param_groups": state["param_groups"], "state": {}, "blocks": blocks}
+    optimizer.load_state_dict(state)
+
+
+def _load_optimizer_from(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     saved = ckpt.manifest["optimizer"]
     if optimizer.bits or saved["compression"] != "none":
         adam_state.check_codec(optimizer.compression, saved.get("codec") or {**saved, "version": 1})
