@@ -14,7 +14,7 @@ import time
 import lightning as L
 import pytest
 import torch
-from conftest import peak_rss_script, tiny_model
+from conftest import peak_rss_script, tiny_model, user_fit
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy, open_checkpoint
@@ -22,10 +22,15 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.presets import tiny_config
-from megatrain_lightning.serialization.checkpoint import CheckpointDir, CheckpointError, is_checkpoint_dir
+from megatrain_lightning.serialization.checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    is_checkpoint_dir,
+    optimizer_block,
+)
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.hf import from_pretrained
-from megatrain_lightning.serialization.safetensors_io import SafetensorsError, sha256_file
+from megatrain_lightning.serialization.safetensors_io import SafetensorsError, ShardWriter, sha256_file
 
 
 def _trainer(strategy=None, **kwargs) -> L.Trainer:
@@ -260,11 +265,11 @@ SAVE_SCRIPT = textwrap.dedent(
     module = CausalLMModule(tiny_model("llama"), lr=1e-3)
     trainer.fit(module, datamodule=TextDataModule(seq_len=32, batch_size=2))
     trainer.save_checkpoint(os.path.join(root, "good.ckpt"))
-    write = safetensors_io.ShardWriter.write
-    def slow_write(self, name, tensor):
+    append = safetensors_io.ShardWriter.append  # every byte of a checkpoint's tensors goes through it
+    def slow_append(self, data):
         time.sleep(0.2)
-        write(self, name, tensor)
-    safetensors_io.ShardWriter.write = slow_write
+        append(self, data)
+    safetensors_io.ShardWriter.append = slow_append
     print("saving", flush=True)
     trainer.save_checkpoint(os.path.join(root, "next.ckpt"))
     trainer.save_checkpoint(os.path.join(root, "good.ckpt"))
@@ -340,3 +345,33 @@ def test_a_gigabyte_model_loads_in_a_fraction_of_its_size(tmp_path):
     assert 0 < figures["val_loss"] < 10
     # Bound: the RSS the load adds stays below half the model's fp32 size (the cache is 0.2 GB).
     assert figures["peak"] - figures["baseline"] < model_bytes / 2, figures
+
+
+@pytest.mark.parametrize("compression", ["none", "int4"])
+def test_a_save_holds_one_store_chunk_of_a_block_at_a_time(tmp_path, monkeypatch, compression):
+    """A 7B layer is 0.8 GB in fp32: the checkpoint streams it a chunk at a time (a whole-block read pushed
+    the 7B run's RSS past 8 GiB while saving); the files read back as the weights and state trained."""
+    chunk_mb = 1 / 64
+    strategy = MegaTrainStrategy(
+        offload_dir=tmp_path / "store", io_chunk_mb=chunk_mb, optimizer_compression=compression
+    )
+    run = user_fit(tiny_model("llama", hidden_size=64, intermediate_size=172), strategy, steps=2)
+    engine = strategy.engine
+    assert max(b.numel for b in engine.blocks) > 4 * strategy.io.chunk_numel
+    pieces: list[int] = []
+    append = ShardWriter.append
+    monkeypatch.setattr(
+        ShardWriter, "append", lambda self, data: (pieces.append(data.nbytes), append(self, data))[1]
+    )
+    run.trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    assert pieces and max(pieces) <= strategy.io.chunk_bytes
+    ckpt = CheckpointDir.verify(tmp_path / "saved.ckpt")
+    saved = torch.load(open_checkpoint(tmp_path / "saved.ckpt"), weights_only=True)["state_dict"]
+    for name, value in run.module.state_dict().items():
+        assert torch.equal(saved[name], value), name
+    optimizer, entries = engine.optimizer, ckpt.optimizer().entries
+    for block in engine.blocks:
+        state = optimizer_block(entries, block.index)
+        for kind in optimizer.state_kinds:
+            assert torch.equal(state[kind], optimizer.store.read(block.index, kind)), (block.index, kind)
+        assert state["step"].tolist() == optimizer.steps[block.index]

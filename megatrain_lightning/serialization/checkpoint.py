@@ -21,12 +21,13 @@ into a standard single-file Lightning checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ from megatrain_lightning.serialization.safetensors_io import (
     sha256_file,
 )
 from megatrain_lightning.store.io import StoreIOError
+from megatrain_lightning.store.layout import Block, chunk_spans
 from megatrain_lightning.store.preflight import (
     free_disk_bytes,
     missing_dirs,
@@ -196,14 +198,9 @@ def _write(
     writer: CheckpointWriter, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any
 ) -> None:
     for block in engine.blocks:
-        with engine.store.pinned(block.index, "param") as flat:
-            names = [p.name for p in block.params]
-            writer.shard(_block_file("model", block.index), dict(zip(names, block.views(flat), strict=True)))
+        _write_weights(writer, engine.store, block)
         if optimizer is not None:
-            state = adam_state.block_state(optimizer, block.index)
-            writer.shard(
-                _block_file("optimizer", block.index), {f"{block.index}:{k}": v for k, v in state.items()}
-            )
+            _write_optimizer_state(writer, optimizer, block)
     writer.shard("model/buffers.safetensors", persistent_buffers(module))
     found = hf_model(module)
     if found is not None:
@@ -231,6 +228,41 @@ def _write(
     writer.publish()
 
 
+def _write_weights(writer: CheckpointWriter, store: Any, block: Block) -> None:
+    """``block``'s parameters, read a store chunk at a time (a block of a 7B model is 0.8 GB in fp32)."""
+    params = sorted(block.params, key=lambda p: p.offset)
+    declared = [(p.name, torch.float32, tuple(p.shape)) for p in params]
+    with writer.stream(_block_file("model", block.index), declared) as out:
+        for start, stop in chunk_spans(block.numel, store.chunk_numel):
+            part = store.read_span(block.index, "param", (start, stop))
+            for p in params:
+                a, b = max(p.offset, start), min(p.offset + p.numel, stop)
+                if a < b:
+                    out.append(part[a - start : b - start])
+
+
+def _write_optimizer_state(writer: CheckpointWriter, optimizer: Any, block: Block) -> None:
+    """``block``'s optimizer state (each kind's flat buffer, per-parameter step counts), read a store chunk
+    at a time."""
+    optimizer.wait(block.index)
+    store, i = optimizer.store, block.index
+    kinds = list(optimizer.state_kinds)
+    steps = torch.tensor(optimizer.steps[i], dtype=torch.int64)
+    declared = [(f"{i}:{kind}", *_flat(store.block_layout(i, kind))) for kind in kinds]
+    with writer.stream(
+        _block_file("optimizer", i), [*declared, (f"{i}:step", steps.dtype, tuple(steps.shape))]
+    ) as out:
+        for kind in kinds:
+            for span in chunk_spans(block.numel, store.chunk_numel):
+                out.append(store.read_span(i, kind, span))
+        out.append(steps)
+
+
+def _flat(layout: tuple[torch.dtype, int]) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype, numel = layout
+    return dtype, (numel,)
+
+
 class _Discard:
     """A ``CheckpointWriter`` that writes nothing."""
 
@@ -238,6 +270,13 @@ class _Discard:
         self.manifest: dict[str, Any] = {}
 
     def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def stream(self, relpath: str, declared: list) -> Iterator[_Discard]:
+        yield self
+
+    def append(self, data: Tensor) -> None:
         pass
 
     def text(self, relpath: str, content: str) -> None:

@@ -7,12 +7,14 @@ processes left, before the next save or load of ``<target>``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import glob
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -119,12 +121,18 @@ class CheckpointWriter:
         self.manifest: dict[str, Any] = {"format": FORMAT, "version": 1}
 
     def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
+        with self.stream(relpath, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]) as writer:
+            for name, tensor in tensors.items():
+                writer.write(name, tensor)
+
+    @contextlib.contextmanager
+    def stream(
+        self, relpath: str, declared: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    ) -> Iterator[ShardWriter]:
+        """A safetensors file of the ``declared`` tensors, their bytes appended in pieces by the caller."""
         point("ckpt.write", os.path.join(self.tmp, relpath))
-        writer = ShardWriter(
-            os.path.join(self.tmp, relpath), [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-        )
-        for name, tensor in tensors.items():
-            writer.write(name, tensor)
+        writer = ShardWriter(os.path.join(self.tmp, relpath), declared)
+        yield writer
         self._record(relpath, writer.close())
 
     def text(self, relpath: str, content: str) -> None:

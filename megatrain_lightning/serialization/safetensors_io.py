@@ -112,34 +112,50 @@ class ShardWriter:
         header: dict = {"__metadata__": dict(metadata or {})}
         offset = 0
         self._layout = []
+        self._starts: list[int] = []
         for name, dtype, shape in tensors:
             nbytes = dtype.itemsize
             for d in shape:
                 nbytes *= d
             header[name] = dict(dtype=NAMES[dtype], shape=list(shape), data_offsets=[offset, offset + nbytes])
             self._layout.append((name, nbytes))
+            self._starts.append(offset)
             offset += nbytes
+        self._total = offset
+        self._starts.append(offset)  # where each declared tensor starts in the data, then its end
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
         self.path = path
         self._file = open(path, "wb")  # noqa: SIM115 (closed by ``close``, which returns the checksum)
         self._sha = hashlib.sha256()
-        self._next = 0
+        self._next = 0  # the first declared tensor not written whole
+        self._filled = 0  # data bytes written
         self._emit(struct.pack("<Q", len(blob)) + blob)
 
     def write(self, name: str, tensor: Tensor) -> None:
         """Append ``name``'s bytes; tensors must come in the order they were declared."""
-        expected, nbytes = self._layout[self._next]
-        data = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
-        if name != expected or len(data) != nbytes:
+        expected, nbytes = self._layout[self._next] if self._next < len(self._layout) else (None, 0)
+        if name != expected or tensor.nbytes != nbytes or self._filled != self._starts[self._next]:
             raise ValueError(f"{self.path}: expected {expected!r} ({nbytes} bytes), got {name!r}")
-        self._next += 1
-        self._emit(data)
+        self.append(tensor)
+
+    def append(self, data: Tensor) -> None:
+        """Append the next bytes of the declared tensors, in pieces of any size (a store chunk at a time:
+        a block's weights never need to be in memory whole)."""
+        view = memoryview(data.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        if self._filled + len(view) > self._total:
+            raise ValueError(
+                f"{self.path}: {self._filled + len(view) - self._total} bytes more than declared"
+            )
+        self._emit(view)
+        self._filled += len(view)
+        while self._next < len(self._layout) and self._starts[self._next + 1] <= self._filled:
+            self._next += 1
 
     def close(self) -> str:
         """Flush to disk and return the file's SHA-256."""
-        if self._next != len(self._layout):
-            raise ValueError(f"{self.path}: {len(self._layout) - self._next} tensors were never written")
+        if self._filled != self._total:
+            raise ValueError(f"{self.path}: {self._total - self._filled} declared bytes were never written")
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

@@ -124,6 +124,11 @@ class HostStore:
         return (block, SHADOW) in self._buffers and block not in self._stale_shadows
 
     def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
+        return self.block_layout(block, kind)
+
+    def block_layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
+        """``kind``'s dtype and elements for the whole block (what a checkpoint holds; a sharded store's
+        ``layout`` is its rank's share)."""
         dtype, numel, _ = self._kinds.get(kind, _FP32)
         return dtype, numel(self.blocks[block])
 
