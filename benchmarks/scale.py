@@ -140,6 +140,7 @@ def child(args: argparse.Namespace) -> None:
         max_cpu_gb=args.max_cpu_gb,
         max_vram_gb=args.max_vram_gb,  # two slots of the largest block in bf16 (RAM buffers on the CPU)
         optimizer_compression="int4",
+        io_threads=args.io_threads,
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -306,6 +307,8 @@ def run_child(args: argparse.Namespace, phase: str) -> dict[str, Any]:
         str(args.lr),
         "--max-vram-gb",
         str(args.max_vram_gb),
+        "--io-threads",
+        str(args.io_threads),
     ]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # progress on stderr as it happens
     if out.returncode != 0:
@@ -413,6 +416,9 @@ def main() -> None:
         default=3e-5,
         help="peak lr (one warmup step, cosine to 0): Adam's first step moves every weight by about lr, and "
         "at 3e-4 the wide models' loss rises in these few steps (RESULTS.md, Scale)",
+    )
+    parser.add_argument(
+        "--io-threads", type=int, default=4, help="the strategy's io_threads (disk reads and writes at once)"
     )
     parser.add_argument("--max-vram-gb", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("train", "resume"), default=None, help=argparse.SUPPRESS)

@@ -255,6 +255,36 @@ def test_every_other_write_leaves_the_shadow_stale_and_a_read_rebuilds_it():
     assert not store.has_shadow and store.nbytes(SHADOW) == 0 and store.shadow_runs(0) == []
 
 
+def test_a_shadow_is_not_current_while_it_is_filled(monkeypatch):
+    """A new (zero) or half-filled shadow is stale until its fill ends, so an update never refreshes a part
+    of it that the fill then leaves wrong, and a failed fill is rebuilt on the next read."""
+    from megatrain_lightning.optim import bf16
+
+    store = HostStore([Block(0, "b", numel=1024)])
+    store.define_shadow([[(0, 1024)]])
+    with store.rewriting(0) as flat:
+        flat.copy_(torch.randn(1024))
+    with store.pinned(0, SHADOW):
+        assert store.shadow_is_current(0)
+    store.release_all_but(
+        "param"
+    )  # the shadow's buffer goes (not stale: absent); the next read makes it anew
+    fill = bf16.to_bf16_
+    seen: list[bool] = []
+
+    def failing_fill(src, dst, **kwargs):
+        seen.append(store.shadow_is_current(0))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bf16, "to_bf16_", failing_fill)
+    with pytest.raises(KeyboardInterrupt):
+        store._rebuild_shadow(0)
+    assert seen == [False] and not store.shadow_is_current(0)
+    monkeypatch.setattr(bf16, "to_bf16_", fill)
+    with store.pinned(0, SHADOW) as shadow:
+        assert torch.equal(shadow, store.read(0, "param").to(torch.bfloat16))
+
+
 @pytest.fixture(scope="module")
 def compiled():
     if kernel.load_kernel() is None:

@@ -132,7 +132,11 @@ class CheckpointWriter:
         """A safetensors file of the ``declared`` tensors, their bytes appended in pieces by the caller."""
         point("ckpt.write", os.path.join(self.tmp, relpath))
         writer = ShardWriter(os.path.join(self.tmp, relpath), declared)
-        yield writer
+        try:
+            yield writer
+        except BaseException:
+            writer.abandon()
+            raise
         self._record(relpath, writer.close())
 
     def text(self, relpath: str, content: str) -> None:

@@ -161,6 +161,10 @@ class ShardWriter:
         self._file.close()
         return self._sha.hexdigest()
 
+    def abandon(self) -> None:
+        """Close the file unfinished (the whole checkpoint directory is removed)."""
+        self._file.close()
+
     def _emit(self, data: bytes | memoryview) -> None:
         self._sha.update(data)
         self._file.write(data)

@@ -297,6 +297,7 @@ class HostStore:
             if self.shadow_is_current(block):
                 return
             with self._lock:  # a change that runs meanwhile (or begins) leaves the copy stale, as a slot's
+                self._stale_shadows.add(block)  # until filled: a new buffer is zeros, a failed fill is stale
                 change = self._changes.get(block)
                 settled = change is None or change.done()
                 before = self._shadow_writes[block], self._versions[block]
