@@ -40,12 +40,8 @@ def to_bf16_(
     check(src, dst)
     if src.numel() == 0:
         return
-    compiled = kernel.load_kernel() if use_kernel is not False else None
+    compiled = kernel.kernel_for(use_kernel)
     if compiled is None:
-        if use_kernel:
-            raise RuntimeError(f"the compiled AdamW kernel is unavailable: {kernel.unavailable_reason()}")
-        if use_kernel is None:
-            kernel.warn_fallback()
         torch_to_bf16_(src, dst)
         return
     threads = num_threads if num_threads is not None else torch.get_num_threads()

@@ -250,3 +250,14 @@ def warn_fallback() -> None:
             "fallback, which gives identical results but is several times slower.",
             _kernel_error,
         )
+
+
+def kernel_for(use_kernel: bool | None) -> _Kernel | None:
+    """The compiled kernel a call uses: ``None`` for the torch fallback (forced by ``use_kernel=False``,
+    else where the kernel is unavailable, with a warning once); ``use_kernel=True`` requires it."""
+    compiled = load_kernel() if use_kernel is not False else None
+    if compiled is None and use_kernel:
+        raise RuntimeError(f"the compiled AdamW kernel is unavailable: {unavailable_reason()}")
+    if compiled is None and use_kernel is None:
+        warn_fallback()
+    return compiled

@@ -202,12 +202,8 @@ def quantized_adamw_(
     n = param.numel()
     if n == 0:
         return
-    compiled = kernel.load_kernel() if use_kernel is not False else None
+    compiled = kernel.kernel_for(use_kernel)
     if compiled is None:
-        if use_kernel:
-            raise RuntimeError(f"the quantized AdamW kernel is unavailable: {kernel.unavailable_reason()}")
-        if use_kernel is None:
-            kernel.warn_fallback()
         _torch_step(param, grad, m_codes, m_scales, v_codes, v_scales, bits, h, sr)
         if shadow is not None:
             bf16.torch_to_bf16_(param, shadow)
