@@ -324,3 +324,40 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
 def test_unsupported_combinations_are_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(MisconfigurationException, match="compressed optimizer state"):
         quiet_trainer(MegaTrainStrategy(optimizer_compression="int8"), 1, [], devices=2)
+
+
+def _read_span_on_rank(rank: int, port: str, results: Any) -> None:
+    import torch.distributed as dist
+
+    from megatrain_lightning.engine.distributed import Shard, ShardedHostStore
+    from megatrain_lightning.store.layout import Block
+    from megatrain_lightning.telemetry.stats import EngineStats
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    block = Block(0, "b", numel=1000)
+    store = ShardedHostStore(Shard(rank, 2), [block], EngineStats(), chunk_numel=1 << 20)
+    lo, hi = store.shard.owned(block)
+    with store.pinned(0, "param", write=True, span=(lo, hi)) as own:
+        own.copy_(torch.full((hi - lo,), -0.0))
+        own[::3] = torch.arange(len(own[::3]), dtype=torch.float32) - 5
+    span, whole = store.read_span(0, "param", (0, 1000)), store.read(0, "param")
+    results.put(
+        (rank, torch.equal(span.view(torch.int32), whole.view(torch.int32)), bool(torch.signbit(span).any()))
+    )
+    dist.destroy_process_group()
+
+
+def test_a_span_read_across_ranks_is_the_owners_bits() -> None:
+    """Checkpoints and ``p.grad`` read spans gathered from the ranks' shards: each element exactly as its
+    owner holds it, ``-0.0`` included (a float sum with the other ranks' zeros gives ``+0.0``)."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("fork")
+    results = context.Queue()
+    port = os.environ["MASTER_PORT"]
+    ranks = [context.Process(target=_read_span_on_rank, args=(r, port, results)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+    assert sorted(results.get(timeout=5) for _ in ranks) == [(0, True, True), (1, True, True)]

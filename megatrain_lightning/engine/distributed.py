@@ -60,6 +60,9 @@ class Shard:
         return min(start, block.numel), min(start + self.size(block), block.numel)
 
 
+_SAME_SIZE_INT = {8: torch.int64, 4: torch.int32}  # itemsize -> an integer dtype to sum bits in
+
+
 class _ShardedStore:
     """Mixed in before a store class (host or disk tier): that store then holds this rank's shard of every
     block's buffers (see the module docstring)."""
@@ -136,7 +139,9 @@ class _ShardedStore:
     def read_span(self, block: int, kind: str, span: tuple[int, int]) -> Tensor:
         """Block elements ``span`` of ``kind``, summed from the ranks' own parts and zeros elsewhere
         (collective, as ``read``: e.g. the ``param.grad`` every rank reads in Lightning's ``zero_grad``):
-        a parameter's read moves its own size, not its block's."""
+        a parameter's read moves its own size, not its block's. The sum is of the values' bits as integers:
+        each element has one owner, so it is that owner's value exactly (a float sum would turn -0.0 into
+        +0.0)."""
         self.wait_for_change(block)
         lo, hi = self.shard.owned(self.blocks[block])
         start, stop = max(span[0], lo), min(span[1], hi)
@@ -144,7 +149,7 @@ class _ShardedStore:
         if start < stop:
             with super().pinned(block, kind, span=(start, stop)) as own:
                 part[start - span[0] : stop - span[0]] = own
-        dist.all_reduce(part)
+        dist.all_reduce(part.view(_SAME_SIZE_INT.get(part.dtype.itemsize, part.dtype)))
         return part
 
     def _gather_ranks(self, block: int, kind: str) -> Tensor:
