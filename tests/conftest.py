@@ -161,6 +161,30 @@ def user_fit(
     return Run(module, trainer, recorder.losses)
 
 
+def run_pass(pager: Any, order: list[int]) -> list[float]:
+    """One training pass of ``pager`` over blocks ``order``: each block's first weight as its slot shows it."""
+    pager.begin_pass("train")
+    seen = []
+    for block in order:
+        seen.append(pager.view(block, 0, pager.acquire(block, backward=False))[0, 0].item())
+        pager.release(block)
+    return seen
+
+
+def resident_at_replay(pager: Any, order: list[int]) -> set[int]:
+    """Record a pass over ``order``, empty the pager's cache, then start the replay: the blocks resident (or
+    loading) once its first block is acquired, i.e. what the prefetch fetched ahead."""
+    run_pass(pager, order)
+    for slot in pager._slots:  # empty the cache so the replay must fetch everything again
+        slot.block = None
+    pager._resident.clear()
+    pager.begin_pass("train")
+    pager.acquire(order[0], backward=False)
+    resident = set(pager._resident)
+    pager.release(order[0])
+    return resident
+
+
 def assert_same_training(plain: Run, paged: Run, loss_rtol: float = 1e-6, param_atol: float = 1e-6) -> None:
     assert len(plain.losses) == len(paged.losses) > 0
     for step, (a, b) in enumerate(zip(plain.losses, paged.losses, strict=True)):

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from conftest import resident_at_replay, run_pass
 from torch import nn
 
 from megatrain_lightning.engine.blocks import discover_blocks
@@ -46,15 +47,6 @@ def _host_views() -> HostViews:
 GATED = pytest.mark.parametrize("make", [lambda: _pager(num_slots=1), _host_views], ids=["slots", "views"])
 
 
-def _run_pass(pager: Pager, order: list[int]) -> list[float]:
-    pager.begin_pass("train")
-    seen = []
-    for block in order:
-        seen.append(pager.view(block, 0, pager.acquire(block, backward=False))[0, 0].item())
-        pager.release(block)
-    return seen
-
-
 def test_trace_replays_and_detects_deviations():
     trace = Trace()
     trace.begin_pass("train")
@@ -77,10 +69,10 @@ def test_trace_replays_and_detects_deviations():
 def test_replay_evicts_the_block_needed_farthest_in_the_future():
     pager = _pager(num_slots=2)
     order = [0, 1, 2, 0, 1, 2]
-    assert _run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
+    assert run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
     block_bytes = pager.store.blocks[0].numel * 4  # 64 weights, padded
     before = pager.stats.h2d_bytes
-    assert _run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
+    assert run_pass(pager, order) == [0, 1, 2, 0, 1, 2]
     # The pass starts with 1 and 2 cached. Belady: 0 evicts 2 (needed after 1), 1 hits, 2 evicts 1,
     # 0 hits, 1 evicts 0 (never needed again), 2 hits: three loads. LRU would load all six.
     assert (pager.stats.h2d_bytes - before) // block_bytes == 3
@@ -89,35 +81,28 @@ def test_replay_evicts_the_block_needed_farthest_in_the_future():
 
 def test_prefetch_runs_ahead_within_the_free_slots():
     pager = _pager(num_slots=3, depth=2)
-    _run_pass(pager, [0, 1, 2])
-    for s in pager._slots:  # empty the cache so the replay must fetch everything again
-        s.block = None
-    pager._resident.clear()
-    pager.begin_pass("train")
-    pager.acquire(0, backward=False)
-    resident = set(pager._resident)
-    pager.release(0)
+    resident = resident_at_replay(pager, [0, 1, 2])
     assert resident == {0, 1, 2}  # blocks 1 and 2 were requested before they were needed
 
 
 def test_a_change_announced_to_the_store_makes_the_cached_copy_stale():
     pager = _pager(num_slots=3)
-    assert _run_pass(pager, [0, 1]) == [0, 1]
+    assert run_pass(pager, [0, 1]) == [0, 1]
     pager.store.read(0, "param").fill_(7)
-    assert _run_pass(pager, [0]) == [0]  # still the cached copy: nobody said it changed
+    assert run_pass(pager, [0]) == [0]  # still the cached copy: nobody said it changed
     with pager.store.rewriting(0) as flat:
         flat.fill_(8)
-    assert _run_pass(pager, [0, 1]) == [8, 1]  # only block 0 is loaded again
+    assert run_pass(pager, [0, 1]) == [8, 1]  # only block 0 is loaded again
 
 
 @GATED
 def test_a_load_waits_for_the_announced_update_and_a_failed_one_is_never_read(make):
     pager = make()
-    assert _run_pass(pager, [0]) == [0]
+    assert run_pass(pager, [0]) == [0]
     update: Future = Future()
     pager.store.will_change(0, update)
     seen: list[float] = []
-    loader = threading.Thread(target=lambda: seen.extend(_run_pass(pager, [0])), daemon=True)
+    loader = threading.Thread(target=lambda: seen.extend(run_pass(pager, [0])), daemon=True)
     loader.start()
     loader.join(timeout=0.2)
     assert loader.is_alive() and not seen  # waits for the update instead of reading the old copy
@@ -129,7 +114,7 @@ def test_a_load_waits_for_the_announced_update_and_a_failed_one_is_never_read(ma
     pager.store.will_change(0, failed)
     failed.set_exception(OSError("injected update failure"))
     with pytest.raises(OSError, match="injected update failure"):
-        _run_pass(pager, [0])
+        run_pass(pager, [0])
 
 
 @GATED

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from conftest import assert_same_training, tiny_model, token_batches, user_fit
+from conftest import assert_same_training, resident_at_replay, run_pass, tiny_model, token_batches, user_fit
 from torch import nn
 
 from megatrain_lightning import MegaTrainStrategy
@@ -55,15 +55,6 @@ def _pager(widths: list[int], slots: dict[int, int], depth: int = 0) -> Pager:
     return Pager(store, torch.device("cpu"), layout, pools, depth, EngineStats())
 
 
-def _run_pass(pager: Pager, order: list[int]) -> list[float]:
-    pager.begin_pass("train")
-    seen = []
-    for block in order:
-        seen.append(pager.view(block, 0, pager.acquire(block, backward=False))[0, 0].item())
-        pager.release(block)
-    return seen
-
-
 def test_a_small_block_takes_its_own_slot_then_a_larger_one_never_a_smaller():
     pager = _pager([32, 16, 16], {32: 1, 16: 1})  # blocks of 4 KB, 1 KB, 1 KB
     pager.begin_pass("train")
@@ -81,9 +72,9 @@ def test_a_small_block_takes_its_own_slot_then_a_larger_one_never_a_smaller():
 def test_belady_evicts_across_the_pools_a_block_fits():
     pager = _pager([32, 16, 16], {32: 1, 16: 1})
     order = [0, 1, 2, 1, 2, 0]
-    assert _run_pass(pager, order) == [0, 1, 2, 1, 2, 0]
+    assert run_pass(pager, order) == [0, 1, 2, 1, 2, 0]
     before = pager.stats.h2d_bytes
-    assert _run_pass(pager, order) == [0, 1, 2, 1, 2, 0]
+    assert run_pass(pager, order) == [0, 1, 2, 1, 2, 0]
     # The replay starts with 0 in the 4 KB slot and 2 in the 1 KB slot. Block 1 evicts 0 (needed last,
     # after 2) from the large slot; 2, 1 and 2 hit; 0 loads again into the large slot: two loads.
     assert pager.stats.h2d_bytes - before == 1024 + 4096
@@ -91,17 +82,10 @@ def test_belady_evicts_across_the_pools_a_block_fits():
 
 def test_prefetch_fills_a_pool_past_a_block_that_must_wait_for_another():
     pager = _pager([32, 32, 16], {32: 1, 16: 1}, depth=2)
-    _run_pass(pager, [0, 1, 2])
-    for s in pager._slots:  # empty the cache so the replay must fetch everything again
-        s.block = None
-    pager._resident.clear()
-    pager.begin_pass("train")
-    pager.acquire(0, backward=False)
-    resident = set(pager._resident)
-    pager.release(0)
+    resident = resident_at_replay(pager, [0, 1, 2])
     # Block 1 needs the large slot that 0 holds; 2, needed after it, was fetched ahead into the small one.
     assert resident == {0, 2}
-    assert _run_pass(pager, [1, 2]) == [1, 2]
+    assert run_pass(pager, [1, 2]) == [1, 2]
 
 
 class H2DPerStep(L.Callback):
