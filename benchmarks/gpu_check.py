@@ -33,8 +33,13 @@
    that a ``bf16-mixed`` pass moves the host tier's bf16 shadow (its ``h2d_bytes`` against the fp32
    pass's within 2% of 2 bytes per bf16 parameter and 4 per fp32 one, against 4 for all).
 9. ``bench``: ``bench_engine``'s four-case step-time comparison on ``cuda`` with a bigger batch.
+10. ``disk``: the disk tier (4 MB chunks, a cache of half the weights): fp32 against plain Lightning,
+   int4 state in fp32 and bf16-mixed bitwise the host tier's, and a checkpoint resumed by a fresh
+   trainer bitwise the uninterrupted run.
 
-Without CUDA it says so and exits 0. ``--cpu`` runs every part's code path on the CPU with smaller
+A part that raises is one FAIL (its traceback printed) and the others still run; ``--deadline-s`` starts
+no part after that many seconds, so a lease's time limit still gets a summary. Without CUDA it says so and
+exits 0. ``--cpu`` runs every part's code path on the CPU with smaller
 models (about 2 minutes), printing SKIP with the reason for each CUDA-only assertion. Exits 1 when a
 check fails. Run as ``python benchmarks/gpu_check.py`` (``--parts ordering,backlog`` for a subset;
 ``--small``: the CPU's model sizes on CUDA too).
@@ -46,13 +51,17 @@ import argparse
 import contextlib
 import copy
 import functools
+import gc
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,7 +92,7 @@ from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.presets import llama_config, tiny_config
-from megatrain_lightning.store import memory
+from megatrain_lightning.store import memory, sizing
 from megatrain_lightning.store.arena import Arena
 from megatrain_lightning.store.host import HostStore
 
@@ -92,6 +101,7 @@ PARAM_ATOL = 1e-3  # parity: largest absolute parameter difference accepted (an 
 LR = 1e-3
 BF16_LOSS_ATOL = 2e-2  # bf16: largest absolute loss difference from Lightning's bf16-mixed accepted
 SMALL = False  # --small: the CPU's model sizes on CUDA too (the sanitized child)
+TRACE_DIR: str | None = None  # --trace-dir: where the profile part keeps its trace
 
 
 @dataclass
@@ -121,8 +131,28 @@ def _sync(accelerator: str) -> None:
         torch.cuda.synchronize()
 
 
+def _diffs(
+    losses: Sequence[float], weights: dict[str, Tensor], ref_losses: Sequence[float], ref: dict[str, Tensor]
+) -> tuple[float, float]:
+    """The largest relative loss difference and the largest absolute difference of a shared weight."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    shared = sorted(set(weights) & set(ref))
+    return loss, max((weights[k].float() - ref[k].float()).abs().max().item() for k in shared)
+
+
+def _close(diffs: tuple[float, float], cuda: bool) -> bool:
+    """Within the GPU's tolerances, or (on the CPU) bitwise."""
+    return diffs[0] <= LOSS_RTOL and diffs[1] <= PARAM_ATOL if cuda else diffs == (0, 0)
+
+
+def _describe(diffs: tuple[float, float]) -> str:
+    return f"max rel loss diff {diffs[0]:.3g}, max abs param diff {diffs[1]:.3g}"
+
+
 def _two_slots(model: PreTrainedModel, precision: str = "32-true", **kwargs: Any) -> MegaTrainStrategy:
-    """Megatrain with a budget of two slots of ``model`` in ``precision`` (a hair over, against rounding)."""
+    """Megatrain with a budget of two of ``model``'s largest slots in ``precision`` (a hair over, against
+    rounding): the slot pools make it two slots of the largest size and, for models whose largest block
+    is larger than the others, some smaller ones; fewer slots than blocks either way."""
     dtype = torch.float32 if precision == "32-true" else torch.bfloat16
     slot = SlotLayout(discover_blocks(model), dtype, mixed=precision == "bf16-mixed").nbytes
     return MegaTrainStrategy(max_vram_gb=slot * 2 * 1.001 / 1e9, **kwargs)
@@ -157,12 +187,10 @@ def parity(accelerator: str) -> list[Check]:
         }
         for label, strategy in variants.items():
             losses, state, _ = _train(model, batches, strategy, accelerator, "32-true")
-            loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-            shared = sorted(set(state) & set(ref_state))
-            param_abs = max((state[k].float() - ref_state[k].float()).abs().max().item() for k in shared)
+            diffs = _diffs(losses, state, ref_losses, ref_state)
             unmatched = sorted(set(ref_state) ^ set(state))
-            ok = loss_rel <= LOSS_RTOL and param_abs <= PARAM_ATOL and not unmatched
-            detail = f"max rel loss diff {loss_rel:.3g}, max abs param diff {param_abs:.3g}"
+            ok = _close(diffs, cuda=True) and not unmatched  # the CPU too: the suite checks bitwise parity
+            detail = _describe(diffs)
             if unmatched:
                 detail += f"; in one state dict only: {unmatched[:4]}"
             checks.append(Check(f"parity {arch}, 32-true: {label} vs plain", ok, detail))
@@ -207,19 +235,25 @@ def _fit_weights(
     accelerator: str,
     precision: str = "32-true",
     accumulate: int = 1,
+    max_steps: int | None = None,
+    callbacks: Sequence[Callback] = (),
+    ckpt_path: str | None = None,
 ) -> tuple[list[float], dict[str, Tensor], L.Trainer]:
-    """Train a copy of ``model`` (updates not deferred: no ``on_before_optimizer_step`` hook); return the
-    micro-batch losses, the final weights on the CPU and the trainer (closed)."""
+    """Train a copy of ``model`` (updates not deferred: no ``on_before_optimizer_step`` hook), one epoch of
+    ``batches`` after another up to ``max_steps`` (default: one epoch); return the micro-batch losses, the
+    final weights on the CPU and the trainer (closed)."""
     losses = Losses()
     trainer = L.Trainer(
         strategy=strategy,
-        max_steps=len(batches) // accumulate,
+        max_steps=max_steps or len(batches) // accumulate,
         accumulate_grad_batches=accumulate,
-        callbacks=[losses],
+        callbacks=[losses, *callbacks],
         **trainer_kwargs(accelerator, precision),
     )
     trainer.fit(
-        BenchModule(copy.deepcopy(model), LR), train_dataloaders=DataLoader(list(batches), batch_size=None)
+        BenchModule(copy.deepcopy(model), LR),
+        train_dataloaders=DataLoader(list(batches), batch_size=None),
+        ckpt_path=ckpt_path,
     )
     state = trainer.strategy.lightning_module_state_dict()
     weights = {k: v.detach().cpu().clone() for k, v in state.items() if v.is_floating_point()}
@@ -250,6 +284,30 @@ def _delayed_compute(cycles: int) -> contextlib.AbstractContextManager:
     return _patched(Pager, "acquire", delayed)
 
 
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic algorithms (and cuBLAS workspace, set in ``main``), so two runs compare bitwise."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled)
+
+
+def _bitwise(weights: dict[str, Tensor], others: dict[str, Tensor]) -> bool:
+    return weights.keys() == others.keys() and all(torch.equal(weights[k], others[k]) for k in weights)
+
+
+class _SlotCount(Callback):
+    """The run's device slots (the pager frees them when the engine closes)."""
+
+    slots = 0
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.slots = trainer.strategy.engine.pager.num_slots
+
+
 def ordering(accelerator: str) -> list[Check]:
     """Two slots, fp32 and bf16-mixed, activation checkpointing on and off: a run with the compute stream
     delayed before every block is bitwise the undelayed run."""
@@ -259,9 +317,7 @@ def ordering(accelerator: str) -> list[Check]:
     model = build_model(config)
     batches = make_batches(config.vocab_size, 3, batch=2, seq=256 if large else 32)
     checks = []
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with _deterministic():
         for precision in ("32-true", "bf16-mixed"):
             for checkpointing in (True, False):
                 ckpt = "on" if checkpointing else "off"
@@ -269,21 +325,23 @@ def ordering(accelerator: str) -> list[Check]:
                 run = functools.partial(
                     _fit_weights, model, batches, accelerator=accelerator, precision=precision
                 )
-                strategy = functools.partial(
-                    _two_slots, model, precision, activation_checkpointing=checkpointing
+                strategy = functools.partial(  # the slot path, on the CPU too (not zero-copy)
+                    _two_slots, model, precision, activation_checkpointing=checkpointing, zero_copy=False
                 )
-                losses, weights, trainer = run(strategy=strategy())
-                slots = trainer.strategy.engine.pager.num_slots
+                counted = _SlotCount()
+                losses, weights, trainer = run(strategy=strategy(), callbacks=[counted])
+                slots = counted.slots
                 with _delayed_compute(5_000_000) if cuda else contextlib.nullcontext():
                     delayed_losses, delayed_weights, _ = run(strategy=strategy())
-                same = losses == delayed_losses and all(
-                    torch.equal(weights[k], delayed_weights[k]) for k in weights
-                )
+                same = losses == delayed_losses and _bitwise(weights, delayed_weights)
                 what = "delayed compute stream vs undelayed" if cuda else "repeat run (no stream to delay)"
-                detail = f"{slots} slots; {what}: losses {losses} vs {delayed_losses}, weights bitwise {same}"
-                checks.append(_report(Check(label, same and slots == 2, detail)))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+                blocks = len(trainer.strategy.engine.blocks)
+                detail = (
+                    f"{slots} slots for {blocks} blocks; {what}: losses {losses} vs {delayed_losses}, "
+                    f"weights bitwise {same}"
+                )
+                paged = slots < blocks
+                checks.append(_report(Check(label, same and paged, detail)))
     if not cuda:
         checks.append(_skip("ordering: compute stream delayed with torch.cuda._sleep", "CUDA only"))
     return checks
@@ -347,18 +405,18 @@ def backlog(accelerator: str) -> list[Check]:
     plain_losses, plain_weights, _ = _fit_weights(model, batches, "auto", accelerator, accumulate=accumulate)
     peaks = {}
     for slow_s in (0.0, 0.05 if cuda else 0.01):
-        if cuda:
+        if cuda:  # measured from what is allocated now (the last run's engine freed its slots at close)
             torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated() if cuda else 0
         counts = _Backlog(slow_s)
         with counts.patches:
             losses, weights, trainer = _fit_weights(
                 model, batches, "megatrain", accelerator, accumulate=accumulate
             )
-        peaks[slow_s] = torch.cuda.max_memory_allocated() if cuda else 0
+        peaks[slow_s] = torch.cuda.max_memory_allocated() - held if cuda else 0
+        print(f"  backlog: slow add {slow_s} s: {held / 1e9:.3f} GB allocated before the run", flush=True)
     bound = trainer.strategy.engine.grads.max_in_flight
-    tolerance = (LOSS_RTOL, PARAM_ATOL) if cuda else (1e-6, 1e-6)
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, plain_losses, strict=True))
-    param_abs = max((weights[k] - plain_weights[k]).abs().max().item() for k in plain_weights)
+    diffs = _diffs(losses, weights, plain_losses, plain_weights)
     stats = trainer.strategy.stats
     checks = [
         _report(
@@ -372,8 +430,8 @@ def backlog(accelerator: str) -> list[Check]:
         _report(
             Check(
                 "backlog: training equals plain Lightning's",
-                loss_rel <= tolerance[0] and param_abs <= tolerance[1],
-                f"max rel loss diff {loss_rel:.3g}, max abs param diff {param_abs:.3g}",
+                _close(diffs, cuda),
+                _describe(diffs),
             )
         ),
     ]
@@ -382,7 +440,7 @@ def backlog(accelerator: str) -> list[Check]:
     block = max(b.numel for b in discover_blocks(model)) * 4
     fast, slow = peaks.values()
     detail = (
-        f"peak {slow / 1e9:.3f} GB with the slow add vs {fast / 1e9:.3f} GB without; "
+        f"peak above the start {slow / 1e9:.3f} GB with the slow add vs {fast / 1e9:.3f} GB without; "
         f"2 blocks {2 * block / 1e9:.3f} GB"
     )
     return [
@@ -480,16 +538,31 @@ def sanitized(accelerator: str) -> list[Check]:
     return checks
 
 
-def _megatrain_syncs() -> tuple[list[str], Callable[..., None]]:
+class _InStep(Callback):
+    """Whether a training step is running (from its batch's start to its end)."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.active = True
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.active = False
+
+
+def _megatrain_syncs(in_step: _InStep) -> tuple[list[str], Callable[..., None]]:
     """A ``warnings.showwarning`` that also lists the synchronizing calls (``set_sync_debug_mode``'s
-    warnings) made from megatrain's code in threads other than its workers (named ``megatrain-*``)."""
+    warnings) made from megatrain's code during training steps in threads other than its workers (named
+    ``megatrain-*``); setup and teardown (moving buffers, reading back the weights) may synchronize."""
     found: list[str] = []
     show = warnings.showwarning
 
     def record(message: Any, category: Any, filename: str, lineno: int, *args: Any) -> None:
         thread = threading.current_thread().name
         if (
-            "synchroniz" in str(message)
+            in_step.active
+            and "synchroniz" in str(message)
             and "megatrain_lightning" in filename
             and not thread.startswith("megatrain")
         ):
@@ -513,30 +586,38 @@ def _overlap(spans: Sequence[tuple[float, float]], others: Sequence[tuple[float,
 def profile(accelerator: str) -> list[Check]:
     """Four steps (two slots, fp32) under ``torch.profiler`` with ``set_sync_debug_mode("warn")``: the
     pager's host->device copies run on a stream of their own, the gradients' device->host copies on another
-    one, overlapping compute, and megatrain makes no synchronizing call in the compute threads."""
+    one, overlapping compute, and megatrain makes no synchronizing call in the compute threads during the
+    steps. ``--trace-dir``: the profiler's trace is kept there (gzipped)."""
     cuda = accelerator == "cuda"
     config = (
         tiny_config("llama", num_hidden_layers=4) if not cuda else llama_config("170m", num_hidden_layers=6)
     )
     model = build_model(config)
-    batches = make_batches(config.vocab_size, 4, batch=2, seq=32 if not cuda else 256)
+    batches = make_batches(config.vocab_size, 4, batch=2 if not cuda else 8, seq=32 if not cuda else 512)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    syncs, record = _megatrain_syncs()
+    in_step = _InStep()
+    syncs, record = _megatrain_syncs(in_step)
     with warnings.catch_warnings(), torch.profiler.profile(activities=activities) as prof:
         warnings.simplefilter("always")
         warnings.showwarning = record
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            _fit_weights(model, batches, _two_slots(model), accelerator)
+            _, _, trainer = _fit_weights(model, batches, _two_slots(model), accelerator, callbacks=[in_step])
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
+        if TRACE_DIR:
+            with (
+                open(path, "rb") as f,
+                gzip.open(os.path.join(TRACE_DIR, "profile_trace.json.gz"), "wb") as g,
+            ):
+                shutil.copyfileobj(f, g)
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     checks = [_report(Check("profile: the run's trace parsed", bool(events), f"{len(events)} events"))]
@@ -547,17 +628,15 @@ def profile(accelerator: str) -> list[Check]:
             _skip("profile: H2D on the copy stream, D2H on its own stream overlapping compute", "CUDA only"),
         ]
     detail = f"{len(syncs)} calls" + (f": {sorted(set(syncs))[:6]}" if syncs else "")
-    checks.append(
-        _report(
-            Check("profile: no synchronizing call from megatrain in the compute threads", not syncs, detail)
-        )
-    )
+    name = "profile: no synchronizing call from megatrain in the compute threads during the steps"
+    checks.append(_report(Check(name, not syncs, detail)))
     kernels = [e for e in events if e.get("cat") == "kernel"]
     busy: dict[Any, float] = {}
     for e in kernels:
         busy[e["args"]["stream"]] = busy.get(e["args"]["stream"], 0.0) + e["dur"]
     compute = max(busy, key=busy.__getitem__)
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    # Block copies: a scalar read back (the loss) is not one.
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and e["args"].get("bytes", 1 << 20) >= 4096]
     h2d = [e for e in copies if "HtoD" in e["name"] and "Pinned" in e["name"]]
     d2h = [e for e in copies if "DtoH" in e["name"] and "Pinned" in e["name"]]
     compute_spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if e["args"]["stream"] == compute]
@@ -567,18 +646,18 @@ def profile(accelerator: str) -> list[Check]:
     h2d_on_compute = sum(e["args"]["stream"] == compute for e in h2d)
     d2h_on_compute = sum(e["args"]["stream"] == compute for e in d2h)
     ok = h2d and d2h and not h2d_on_compute and not d2h_on_compute and overlapped > 0
+    first, last = min(s for s, _ in compute_spans), max(e for _, e in compute_spans)
+    stats = trainer.strategy.stats
     detail = (
         f"compute stream {compute}; {len(h2d)} pinned H2D copies ({h2d_on_compute} on it), {len(d2h)} pinned "
         f"D2H copies ({d2h_on_compute} on it), {overlapped / max(total, 1e-9):.0%} of D2H time overlapping "
-        "compute"
+        f"compute; compute stream busy {busy[compute] / (last - first):.0%} of its first to last kernel; "
+        f"compute thread waited: offload {stats.offload_wait_s:.3f} s, optimizer "
+        f"{stats.optimizer_wait_s:.3f} s, fetch {stats.fetch_wait_s:.3f} s; optimizer busy "
+        f"{stats.optimizer_s:.3f} s"
     )
-    checks.append(
-        _report(
-            Check(
-                "profile: H2D on the copy stream, D2H on its own stream overlapping compute", bool(ok), detail
-            )
-        )
-    )
+    name = "profile: H2D on the copy stream, D2H on its own stream overlapping compute"
+    checks.append(_report(Check(name, bool(ok), detail)))
     return checks
 
 
@@ -606,6 +685,79 @@ def bf16(accelerator: str) -> list[Check]:
             f"{plain_losses[-1]:.4f}); embedding output {names[0]} (Lightning's {names[1]})"
         )
         checks.append(_report(Check(f"bf16: megatrain ({label}) vs Lightning's bf16-mixed", ok, detail)))
+    return checks
+
+
+class _SaveAtStep(Callback):
+    """Saves a checkpoint when the run reaches ``step``, as ``ModelCheckpoint(every_n_train_steps=step)``."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def disk(accelerator: str) -> list[Check]:
+    """The disk tier (``offload_dir``, 4 MB chunks, a host cache of half the fp32 weights' size): fp32
+    with fp32 state against plain Lightning (as ``parity``); int4 state in fp32 and in bf16-mixed against
+    the host tier with the same settings (bitwise: deterministic algorithms; the host tier's bf16 runs
+    copy its bf16 shadow, the disk tier's convert on the device); and the bf16 run's checkpoint after one
+    of its two epochs, resumed by a fresh trainer: its continuation bitwise the uninterrupted run's."""
+    cuda = accelerator == "cuda"
+    large = cuda and not SMALL
+    config = llama_config("170m", num_hidden_layers=4) if large else tiny_config("llama", num_hidden_layers=4)
+    model = build_model(config)
+    batches = make_batches(config.vocab_size, 2, batch=2, seq=256 if large else 32)
+    blocks = discover_blocks(model)
+    threads, chunk_mb = 2, 4  # chunks smaller than a block: the cache (half the weights) pages them
+    least = sizing.min_cache_bytes(max(b.numel for b in blocks), threads, chunk_mb * 2**18, cuda)
+    cache_gb = max(sum(b.numel for b in blocks) * 2, 2 * least) / 1e9
+    checks = []
+    with tempfile.TemporaryDirectory() as root, _deterministic():
+        stores = iter(range(100))
+
+        def strategy(tier: str, compression: str = "int4") -> MegaTrainStrategy:
+            if tier == "host":
+                return MegaTrainStrategy(optimizer_compression=compression)
+            offload_dir = os.path.join(root, f"store-{next(stores)}")
+            return MegaTrainStrategy(
+                optimizer_compression=compression,
+                offload_dir=offload_dir,
+                max_cpu_gb=cache_gb,
+                io_chunk_mb=chunk_mb,
+                optimizer_threads=threads,
+            )
+
+        run = functools.partial(_fit_weights, model, batches, accelerator=accelerator, max_steps=4)
+        plain_losses, plain_weights, _ = run(strategy="auto")
+        losses, weights, trainer = run(strategy=strategy("disk", "none"))
+        diffs = _diffs(losses, weights, plain_losses, plain_weights)
+        stats = trainer.strategy.stats
+        detail = (
+            f"{_describe(diffs)}; {stats.disk_read_bytes / 1e9:.3f} GB read, "
+            f"{stats.disk_write_bytes / 1e9:.3f} GB written in 4 steps, cache peak "
+            f"{stats.peak_host_cache_bytes / 1e9:.3f} of {cache_gb:.3f} GB"
+        )
+        ok = _close(diffs, cuda)
+        checks.append(_report(Check("disk: 32-true, fp32 state, vs plain Lightning", ok, detail)))
+
+        checkpoint = os.path.join(root, "step-2.ckpt")
+        for precision in ("32-true", "bf16-mixed"):
+            host = run(strategy=strategy("host"), precision=precision)
+            saving = [_SaveAtStep(2, checkpoint)] if precision == "bf16-mixed" else []
+            paged = run(strategy=strategy("disk"), precision=precision, callbacks=saving)
+            same = host[0] == paged[0] and _bitwise(host[1], paged[1])
+            detail = f"losses {paged[0]} vs {host[0]}; {_describe(_diffs(*paged[:2], *host[:2]))}"
+            checks.append(_report(Check(f"disk: {precision}, int4 state, vs the host tier", same, detail)))
+        resumed_losses, resumed_weights, _ = run(
+            strategy=strategy("disk"), precision="bf16-mixed", ckpt_path=checkpoint
+        )
+        same = resumed_losses == paged[0][2:] and _bitwise(resumed_weights, paged[1])
+        detail = f"steps 3-4 {resumed_losses} vs {paged[0][2:]}; weights bitwise {same}"
+        name = "disk: resumed after step 2 by a fresh trainer vs uninterrupted"
+        checks.append(_report(Check(name, same, detail)))
     return checks
 
 
@@ -641,12 +793,31 @@ class PassTimer(Callback):
         self._mark(trainer)
 
 
+@contextlib.contextmanager
+def _recorded_loads() -> Iterator[list[int]]:
+    """The blocks the pager loads into slots, in order."""
+    loads: list[int] = []
+    load = Pager._load
+
+    def recorded(self: Pager, slot: Any, block: int, finish: Callable[..., object]) -> None:
+        loads.append(block)
+        load(self, slot, block, finish)
+
+    with _patched(Pager, "_load", recorded):
+        yield loads
+
+
 @dataclass
 class PagerPass:
-    """Forward-only passes that prefetch along the trace: their mean time and bytes moved per pass."""
+    """Forward-only passes that prefetch along the trace: the rate of the passes after the first, and every
+    byte copied against what the loaded blocks hold in their slot dtypes (2 bytes per bf16 parameter of a
+    run from the shadow, 4 per fp32 one)."""
 
-    seconds: float
-    nbytes: int
+    seconds: float  # pass 1's start to the last pass's end
+    nbytes: int  # h2d_bytes meanwhile
+    passes: int
+    copied: int  # h2d_bytes of the whole run
+    expected: int  # the loaded blocks' runs
     num_slots: int
     stats: dict[str, float]
 
@@ -660,55 +831,65 @@ def pager_pass(
 ) -> PagerPass:
     """Run ``passes`` predict batches of ``config``'s model under megatrain with a two-block budget."""
     model = build_model(config)
-    strategy = _two_slots(model, precision)
+    strategy = _two_slots(model, precision, zero_copy=False)  # slots on the CPU too
     timer = PassTimer(accelerator)
     trainer = L.Trainer(strategy=strategy, callbacks=[timer], **trainer_kwargs(accelerator, precision))
     batches = make_batches(config.vocab_size, passes, batch=1, seq=seq)
-    trainer.predict(BenchModule(model), DataLoader(batches, batch_size=None), return_predictions=False)
+    with _recorded_loads() as loads:
+        trainer.predict(BenchModule(model), DataLoader(batches, batch_size=None), return_predictions=False)
+        engine = strategy.engine
+        engine.pager._worker.submit(lambda: None).result()  # one worker: every queued load is done
     # Pass 0 records the trace and fetches on demand; the later passes prefetch along it.
-    spans = list(zip(timer.marks[2::2], timer.marks[3::2], strict=True))
-    seconds = sum(end[0] - start[0] for start, end in spans) / len(spans)
-    nbytes = sum(end[1] - start[1] for start, end in spans) // len(spans)
-    result = PagerPass(seconds, nbytes, strategy.engine.pager.num_slots, strategy.stats.as_dict())
+    (start, bytes0), (end, bytes1) = timer.marks[2], timer.marks[-1]
+    layout = engine.pager.layout
+    expected = sum(r.nbytes for b in loads for r in layout.runs[b])
+    result = PagerPass(
+        end - start,
+        bytes1 - bytes0,
+        passes - 1,
+        strategy.stats.h2d_bytes,
+        expected,
+        engine.pager.num_slots,
+        strategy.stats.as_dict(),
+    )
     close(trainer)
     return result
 
 
-def stream(accelerator: str, passes: int = 8, seq: int = 32) -> list[Check]:
-    """The pager's host->device rate on transfer-bound forward passes vs a raw pinned copy of its blocks,
-    in fp32; and the time of a bf16 pass against an fp32 one, both with two slots (about 0.5 if bf16
-    weights cross the link, about 1.0 if fp32 ones do and are converted on the device)."""
+def stream(accelerator: str, passes: int = 12, seq: int = 32) -> list[Check]:
+    """The pager's host->device rate on transfer-bound forward passes vs a raw pinned copy of its blocks
+    (issue 14's goal: at least 0.85 in fp32); the bytes copied, exactly what the loaded blocks
+    hold in their slot dtypes (bf16-mixed: the host tier's bf16 shadow); and the time of a bf16 pass against
+    an fp32 one (about 0.5 if bf16 weights cross the link, about 1.0 if fp32 ones do)."""
     # TinyLlama-shaped blocks, fewer of them (on the CPU, small ones: the code path only)
     config = llama_config("1b", num_hidden_layers=8) if accelerator == "cuda" else bench_config(True)
-    blocks = discover_blocks(build_model(config))
-    numels = [b.numel for b in blocks]
-    # The host tier's bf16 shadow: 2 bytes per bf16 parameter cross, 4 per fp32 one (the embedding, norms).
-    mixed = SlotLayout(blocks, torch.bfloat16, mixed=True)
-    halved = sum(r.nbytes for runs in mixed.runs for r in runs) / (4 * sum(numels))
+    numels = [b.numel for b in discover_blocks(build_model(config))]
     fp32 = pager_pass(config, accelerator, "32-true", passes, seq)
     bf16 = pager_pass(config, accelerator, "bf16-mixed", passes, seq)
     raw = raw_copy_gbps(numels, accelerator)
+    checks = []
+    for label, run in (("fp32", fp32), ("bf16-mixed", bf16)):
+        detail = (
+            f"{len(numels)} blocks, {sum(numels) * 4 / 1e9:.2f} GB fp32, {run.num_slots} slots; "
+            f"{run.nbytes / 1e9:.2f} GB in {run.passes} passes, {run.seconds * 1e3:.1f} ms: "
+            f"{run.gbps:.1f} GB/s; "
+            f"raw pinned fp32 copy {raw:.1f} GB/s: ratio {run.gbps / raw:.3f}; fetch_wait_s "
+            f"{run.stats['fetch_wait_s']:.3f}"
+        )
+        checks.append(_report(Check(f"stream: {label}: pager rate vs raw pinned copy (info)", True, detail)))
+        detail = f"h2d_bytes {run.copied}, the loaded blocks' slot bytes {run.expected}"
+        name = f"stream: {label}: bytes copied = the loaded blocks' bytes in their slot dtypes"
+        if run.copied:
+            checks.append(_report(Check(name, run.copied == run.expected, detail)))
+        else:
+            checks.append(_skip(name, "zero-copy on the CPU"))
     detail = (
-        f"{len(numels)} blocks, {sum(numels) * 4 / 1e9:.2f} GB (largest {max(numels) * 4 / 1e9:.3f}), "
-        f"{fp32.num_slots} slots; pager {fp32.gbps:.1f} GB/s ({fp32.nbytes / 1e9:.2f} GB per pass in "
-        f"{fp32.seconds * 1e3:.1f} ms), raw pinned copy {raw:.1f} GB/s: ratio {fp32.gbps / raw:.3f}; "
-        f"fetch_wait_s {fp32.stats['fetch_wait_s']:.3f}, h2d_s {fp32.stats['h2d_s']:.3f}"
+        f"bf16-mixed {bf16.seconds / bf16.passes * 1e3:.1f} ms per pass vs fp32 "
+        f"{fp32.seconds / fp32.passes * 1e3:.1f}; bytes per pass {bf16.nbytes / bf16.passes / 1e9:.2f} GB vs "
+        f"{fp32.nbytes / fp32.passes / 1e9:.2f} GB"
     )
-    ratio = bf16.nbytes / fp32.nbytes if fp32.nbytes else float("nan")  # the CPU's fp32 pass copies nothing
-    bf16_detail = (
-        f"bf16-mixed pass {bf16.seconds * 1e3:.1f} ms vs fp32 {fp32.seconds * 1e3:.1f} ms: ratio "
-        f"{bf16.seconds / fp32.seconds:.3f}; h2d_bytes per pass {bf16.nbytes / 1e9:.2f} GB vs "
-        f"{fp32.nbytes / 1e9:.2f} GB: ratio {ratio:.3f} (the shadow's {halved:.3f})"
-    )
-    print(f"  stream: {detail}\n  stream: {bf16_detail}", flush=True)
-    name = "stream: bf16-mixed moves the bf16 shadow (2 bytes per bf16 parameter)"
-    return [
-        Check("stream: pager h2d rate vs raw pinned copy (informational)", True, detail),
-        Check("stream: bf16-mixed vs fp32 pass time (informational)", True, bf16_detail),
-        Check(name, abs(ratio - halved) <= 0.02 * halved, bf16_detail)
-        if fp32.nbytes
-        else _skip(name, "the fp32 pass is zero-copy on the CPU"),
-    ]
+    checks.append(_report(Check("stream: bf16-mixed vs fp32 pass (info)", True, detail)))
+    return checks
 
 
 def bench(accelerator: str, steps: int = 4, batch: int = 8, seq: int = 512) -> list[Check]:
@@ -732,6 +913,7 @@ PARTS: dict[str, Callable[[str], list[Check]]] = {
     "pinned": pinned,
     "profile": profile,
     "bf16": bf16,
+    "disk": disk,
     "stream": stream,
     "bench": bench,
 }
@@ -746,9 +928,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="run every part's code path on the CPU, smaller (to test this script)",
     )
+    parser.add_argument("--trace-dir", help="keep the profile part's trace (gzipped JSON) in this folder")
+    parser.add_argument(
+        "--deadline-s", type=float, help="start no part after this many seconds (the rest: SKIP)"
+    )
     args = parser.parse_args(argv)
-    global SMALL
-    SMALL = args.small
+    global SMALL, TRACE_DIR
+    SMALL, TRACE_DIR = args.small, args.trace_dir
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}")
@@ -765,7 +951,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for part in parts:
         print(f"\n== {part} ==", flush=True)
         part_start = time.perf_counter()
-        checks += PARTS[part](accelerator)
+        if args.deadline_s is not None and part_start - start > args.deadline_s:
+            checks.append(_skip(f"{part}: not run", f"past the {args.deadline_s:.0f} s deadline"))
+            continue
+        try:
+            checks += PARTS[part](accelerator)
+        except Exception:  # one part's failure must not cost the others' results
+            trace = traceback.format_exc()
+            print(trace, flush=True)
+            checks.append(Check(f"{part}: ran to the end", False, trace.strip().splitlines()[-1]))
+            gc.collect()
         print(f"  ({time.perf_counter() - part_start:.0f} s)", flush=True)
     print(f"\n== summary ({time.perf_counter() - start:.0f} s) ==")
     for check in checks:

@@ -225,12 +225,15 @@ class MegaTrainStrategy(RankedStrategy):
         with converting_modules():
             self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             self.setup_optimizers(trainer)
-            if self.optimizer_compression != "none" or self.engine.store.has_shadow:
-                from megatrain_lightning.optim import kernel
+        if fitting and self.optimizer_compression != "none" or self.engine.store.has_shadow:
+            from megatrain_lightning.optim import kernel
 
-                kernel.prepare()  # here, not in the first update: no step waits for a compiler
+            # Here, not in the first update or the first fetch (which rounds the shadow): no step waits
+            # for a compiler, and what it waits for is said.
+            kernel.prepare()
         self.setup_precision_plugin()
 
     def _engine_config(self, blocks: list[Block]) -> EngineConfig:

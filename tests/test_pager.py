@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -83,6 +84,15 @@ def test_prefetch_runs_ahead_within_the_free_slots():
     pager = _pager(num_slots=3, depth=2)
     resident = resident_at_replay(pager, [0, 1, 2])
     assert resident == {0, 1, 2}  # blocks 1 and 2 were requested before they were needed
+
+
+def test_closing_frees_the_slots():
+    """An engine outlives its run (the trainer holds it until collected): its device memory must not."""
+    pager = _pager(num_slots=2)
+    run_pass(pager, [0, 1, 2])
+    slots = [weakref.ref(slot.buf) for slot in pager._slots]
+    pager.close()
+    assert pager.nbytes == 0 and all(slot() is None for slot in slots)
 
 
 def test_a_change_announced_to_the_store_makes_the_cached_copy_stale():

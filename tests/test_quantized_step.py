@@ -8,6 +8,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import lightning as L
 import pytest
 import torch
 from torch.optim.adam import adam
@@ -522,20 +523,47 @@ def test_a_library_others_may_write_is_not_loaded(tmp_path) -> None:
         K._Kernel(library)
 
 
-def test_the_strategy_prepares_the_kernel_at_setup_on_the_main_thread(monkeypatch) -> None:
-    from conftest import tiny_model, user_fit
+@pytest.mark.parametrize("stage", ["fit int8", "predict bf16-mixed"])
+def test_the_strategy_prepares_the_kernel_at_setup_on_the_main_thread(monkeypatch, stage) -> None:
+    """Compressed state needs the kernel for its updates, a bf16 shadow for its first fetch (in every stage,
+    predict too): either way it is built at setup, on the main thread, where its progress is said; not in
+    the first batch."""
+    from conftest import UserLM, quiet_trainer, tiny_model, token_batches, user_fit
 
     from megatrain_lightning import MegaTrainStrategy
 
     monkeypatch.setattr(K, "_kernel", None)
     monkeypatch.setattr(K, "_kernel_error", None)
-    first_load = []
+    loads = []
     load = K.load_kernel
 
     def recording_load():
-        first_load.append(threading.current_thread() is threading.main_thread())
+        loads.append(threading.current_thread() is threading.main_thread())
         return load()
 
+    class FirstBatch(L.Callback):
+        loaded_before: int | None = None
+
+        def _first(self) -> None:
+            if self.loaded_before is None:
+                self.loaded_before = len(loads)
+
+        def on_train_batch_start(self, *args) -> None:
+            self._first()
+
+        def on_predict_batch_start(self, *args) -> None:
+            self._first()
+
     monkeypatch.setattr(K, "load_kernel", recording_load)
-    user_fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=1)
-    assert first_load and first_load[0], "the kernel was first loaded on a worker thread"
+    first = FirstBatch()
+    if stage == "fit int8":
+        user_fit(
+            tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=1, callbacks=[first]
+        )
+    else:
+        trainer = quiet_trainer(MegaTrainStrategy(), 1, [first], precision="bf16-mixed")
+        batches = torch.utils.data.DataLoader(token_batches(2), batch_size=None)
+        trainer.predict(UserLM(tiny_model("llama")), batches, return_predictions=False)
+        assert trainer.strategy.engine.store.has_shadow
+    assert first.loaded_before, "the kernel was not built at setup"
+    assert loads[0], "the kernel was first loaded on a worker thread"

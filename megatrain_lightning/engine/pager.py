@@ -156,9 +156,14 @@ class Pager:
             return self.trace.is_last_use(block)
 
     def close(self) -> None:
+        """Stop the workers and free the slots' device memory (an engine, and so its pager, may outlive its
+        run: the trainer holds it until it is collected)."""
         self._worker.shutdown(wait=True)
         if self._copy_waiter is not None:
             self._copy_waiter.shutdown(wait=True)
+        with self._cond:
+            self._resident.clear()
+            self._slots = []
 
     # -- internals (called with the lock held unless said otherwise) --
 
@@ -237,13 +242,14 @@ class Pager:
 
     def _copy_chunks(self, slot: _Slot, block: int, unpin: contextlib.ExitStack) -> int:
         """Copy ``block``'s master weights (its bf16 runs from the store's shadow, if it keeps one) into
-        ``slot`` one store chunk at a time, each pinned only while a copy reads it: at most
+        ``slot`` one of the store's ``copy_spans`` at a time (the disk tier's cached chunks; the host
+        tier's whole block), each pinned only while a copy reads it: at most
         ``_CHUNKS_IN_FLIGHT`` on CUDA, the rest released as their copies finish; those still in flight are
         left to ``unpin``. Returns the bytes read from the host."""
         in_flight: collections.deque[tuple[torch.cuda.Event, contextlib.ExitStack]] = collections.deque()
         unpin.callback(lambda: [pin.close() for _, pin in in_flight])
         kinds, nbytes = ("param", SHADOW) if self.store.shadow_runs(block) else ("param",), 0
-        for span in self.store.spans(block):
+        for span in self.store.copy_spans(block):
             if self._copy_stream is None:
                 with self.store.pinned_all(block, kinds, span=span) as src:
                     nbytes += self.layout.copy_in(

@@ -110,6 +110,10 @@ class DiskStore(ChunkedSpans, ReadAhead, HostStore):
 
     # -- the store API --
 
+    @override
+    def copy_spans(self, block: int) -> list[tuple[int, int]]:
+        return self.spans(block)
+
     @contextlib.contextmanager
     def pinned(
         self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None

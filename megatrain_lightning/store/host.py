@@ -136,6 +136,13 @@ class HostStore:
         """``block``'s chunks: consecutive element ranges of at most ``chunk_numel`` covering it."""
         return chunk_spans(self.blocks[block].numel, self.chunk_numel)
 
+    def copy_spans(self, block: int) -> list[tuple[int, int]]:
+        """The element ranges a device copy of ``block`` reads one at a time: here all of its ``spans`` in
+        one (its buffers are in RAM, pinned whole on CUDA: on an H200, 16 MB pieces reached 0.79 of a raw
+        pinned copy's rate, whole blocks 0.92); the disk tier's cached chunks one by one."""
+        spans = self.spans(block)
+        return [(spans[0][0], spans[-1][1])] if spans else []
+
     def kind_span(self, block: int, kind: str, span: tuple[int, int] | None) -> tuple[int, int]:
         """The range of ``kind``'s buffer that block elements ``span`` (``None``: all) own."""
         if span is None:
