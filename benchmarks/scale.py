@@ -67,6 +67,7 @@ def child(args: argparse.Namespace) -> None:
     from megatrain_lightning.data import TextDataModule
     from megatrain_lightning.models import CausalLMModule
     from megatrain_lightning.presets import llama_config
+    from megatrain_lightning.telemetry.timeline import TIMELINE, render
 
     baseline = peak["rss"]
     config = llama_config(args.model)
@@ -128,6 +129,25 @@ def child(args: argparse.Namespace) -> None:
                 flush=True,
             )
 
+    class TimelineDump(L.Callback):
+        """The engine's spans (fetch, compute, offload, optimizer, disk) of one optimizer step, as JSON
+        (seconds from the step's start) and a PNG beside the checkpoint folder."""
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if trainer.global_step == args.timeline_step:
+                TIMELINE.start()
+                self.origin = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step != args.timeline_step + 1 or not TIMELINE.enabled:
+                return
+            events = TIMELINE.stop()
+            path = os.path.join(args.ckpt_dir, f"timeline_step{args.timeline_step}")
+            spans = [(e.lane, e.start - self.origin, e.end - self.origin) for e in events]
+            with open(path + ".json", "w") as f:
+                json.dump(spans, f)
+            render(events, path + ".png", origin=self.origin, title=f"step {args.timeline_step}")
+
     phases = {"init": 0, "train": 0, "checkpoint": 0}  # peak RSS of each phase
     clock = Clock()
     ckpt_dir = os.path.join(args.ckpt_dir, "checkpoints")
@@ -154,7 +174,7 @@ def child(args: argparse.Namespace) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock, checkpoints],
+        callbacks=[clock, checkpoints, *([TimelineDump()] if args.timeline_step is not None else [])],
     )
     module = CausalLMModule(config, lr=args.lr, warmup_steps=1, max_steps=args.steps)
     resume = None
@@ -310,6 +330,8 @@ def run_child(args: argparse.Namespace, phase: str) -> dict[str, Any]:
         "--io-threads",
         str(args.io_threads),
     ]
+    if args.timeline_step is not None and phase == "train":
+        cmd += ["--timeline-step", str(args.timeline_step)]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # progress on stderr as it happens
     if out.returncode != 0:
         print(out.stdout[-3000:])
@@ -419,6 +441,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--io-threads", type=int, default=4, help="the strategy's io_threads (disk reads and writes at once)"
+    )
+    parser.add_argument(
+        "--timeline-step",
+        type=int,
+        help="record the engine's spans of this optimizer step (0-based) into timeline_step<N>.json/.png "
+        "in --ckpt-dir",
     )
     parser.add_argument("--max-vram-gb", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("train", "resume"), default=None, help=argparse.SUPPRESS)
