@@ -142,6 +142,7 @@ def child(args: argparse.Namespace) -> None:
             if trainer.global_step != args.timeline_step + 1 or not TIMELINE.enabled:
                 return
             events = TIMELINE.stop()
+            os.makedirs(args.ckpt_dir, exist_ok=True)
             path = os.path.join(args.ckpt_dir, f"timeline_step{args.timeline_step}")
             spans = [(e.lane, e.start - self.origin, e.end - self.origin) for e in events]
             with open(path + ".json", "w") as f:
