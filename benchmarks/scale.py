@@ -250,6 +250,7 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
     from transformers import AutoModelForCausalLM
 
     from megatrain_lightning.engine.blocks import discover_blocks
+    from megatrain_lightning.engine.slots import mixed_fp32_numels
     from megatrain_lightning.planner.plan import (
         RESERVE,
         Machine,
@@ -267,9 +268,13 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
     config = llama_config(args.model)
     with torch.device("meta"):
         blocks = discover_blocks(AutoModelForCausalLM.from_config(config))
-    shape = ModelShape.from_blocks([b.numel for b in blocks], config)
+    # bf16-mixed: the blocks' fp32 parts (the embedding, the norms) stay fp32 in the slots
+    shape = ModelShape.from_blocks([b.numel for b in blocks], config, mixed_fp32_numels(blocks))
     workload = Workload(tokens_per_step=args.seq, compute_dtype="bf16")
-    slots = 2 * 2 * shape.largest_block
+    # Two slots of the largest block: the largest (the fp32 embedding of a 7B) and any other one at once,
+    # so a decoder layer loads while another computes. (Two slots of a bf16 layer's size, as sized before,
+    # held the 7B's embedding and no second slot for the layers: each loaded after the last had computed.)
+    slots = 2 * max(shape.block_bytes(2))
     act = activation_bytes(shape, args.seq, 2)
     # The run's budgets as the planner's machine: RAM = max_cpu_gb, "GPU" = two slots (RAM here too).
     machine = Machine(

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from megatrain_lightning.engine.runtime import EngineConfig
-from megatrain_lightning.engine.slots import SlotLayout, mixed_fp32_numels, slot_pools
+from megatrain_lightning.engine.slots import OVERLAP, SlotLayout, mixed_fp32_numels, serial_blocks, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.planner.plan import Machine, ModelShape, Settings, Workload, plan_for
 from megatrain_lightning.serialization.hf import hf_model
@@ -98,6 +99,14 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
         raise MisconfigurationException(
             f"`max_vram_gb={strategy.max_vram_gb}` is smaller than the largest block "
             f"({layout.nbytes / _GB:.3g} GB on the device); raise it to at least that."
+        )
+    if (serial := serial_blocks(layout.block_bytes, pools)) > 1:
+        overlap = sum(sorted(layout.block_bytes, reverse=True)[:OVERLAP])
+        rank_zero_warn(
+            f"megatrain: in the slot budget of {budget / _GB:.3g} GB, {serial} of the {len(blocks)} blocks "
+            "fit only one device slot, so each is fetched after the one before it has computed (nothing "
+            f"loads ahead); `max_vram_gb={overlap / _GB:.3g}` (the two largest blocks) lets one load while "
+            "another computes."
         )
     num_slots = sum(count for _, count in pools)
     offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, auto)

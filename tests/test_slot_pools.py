@@ -3,6 +3,8 @@ size of every layer slot, so a budget a little over the model holds the whole mo
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.pager import Pager
-from megatrain_lightning.engine.slots import SlotLayout, slot_pools
+from megatrain_lightning.engine.slots import SlotLayout, serial_blocks, slot_pools
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
 
@@ -164,3 +166,35 @@ def test_a_budget_of_the_model_keeps_it_resident_and_trains_bitwise(large_vocab_
         verbose=False,
     )
     assert counter.val == [once, 0, 0]  # the blocks updated last fetched once; then, unchanged, never
+
+
+@pytest.mark.parametrize(
+    ("pools", "serial"),
+    [
+        (((4, 1), (3, 1), (1, 1)), 1),  # every 3 fits the 4's slot and its own: only the largest waits
+        (((4, 1), (1, 1)), 4),  # the 3s share the one slot of the 4: each waits for the one before
+        (((4, 2),), 0),
+    ],
+)
+def test_blocks_that_fit_one_slot_are_counted(pools, serial):
+    assert serial_blocks([4, 3, 3, 3, 1], pools) == serial
+
+
+def test_a_budget_where_the_layers_fit_one_slot_warns_with_the_budget_that_overlaps(large_vocab_model):
+    """A 7B Llama in bf16-mixed has an fp32 embedding larger than a decoder layer: two slots of a layer's
+    size buy one embedding slot and no second slot that holds a layer, so the layers load one after
+    another. The warning says so and names the budget of the two largest blocks, which does not warn."""
+    layout = SlotLayout(discover_blocks(large_vocab_model), torch.float32)
+    overlap = sum(sorted(layout.block_bytes)[-2:])
+
+    def said(budget: float) -> list[str]:
+        strategy = MegaTrainStrategy(max_vram_gb=budget / 1e9, zero_copy=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            user_fit(large_vocab_model, strategy, steps=1, vocab=VOCAB)
+        return [str(w.message) for w in caught if "fit only one device slot" in str(w.message)]
+
+    (warning,) = said(layout.nbytes + layout.block_bytes[1] // 2)
+    assert f"of the {len(layout.block_bytes)} blocks fit only one device slot" in warning
+    assert f"`max_vram_gb={overlap / 1e9:.3g}`" in warning
+    assert said(overlap) == []

@@ -92,6 +92,13 @@ def slot_pools(block_bytes: Sequence[int], budget: float | None = None) -> Pools
     return tuple((size, n) for size, n in sorted(counts.items(), reverse=True) if n)
 
 
+def serial_blocks(block_bytes: Sequence[int], pools: Pools) -> int:
+    """How many blocks fit fewer than ``OVERLAP`` of ``pools``' slots: each of them loads only once the
+    block before it has finished computing (nothing can be fetched ahead into the one slot it fits)."""
+    fits = {size: sum(n for slot, n in pools if slot >= size) for size in set(block_bytes)}
+    return sum(1 for size in block_bytes if fits[size] < OVERLAP)
+
+
 @dataclass(frozen=True)
 class Run:
     """Store elements ``[start, end)`` of a block, on the device in ``dtype`` from byte ``offset``."""
