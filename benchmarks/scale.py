@@ -397,10 +397,12 @@ def report(
     )
     reads = sum(v for k, v in files.items() if k.startswith("R"))
     writes = sum(v for k, v in files.items() if k.startswith("W"))
-    print(
-        f"read {reads / GB:.2f} GB (least {plan['reads'] / GB:.2f}: {reads / plan['reads']:.2f}x), write "
-        f"{writes / GB:.2f} GB (least {plan['writes'] / GB:.2f}: {writes / plan['writes']:.2f}x)"
-    )
+
+    def against(moved: float, least: float) -> str:
+        ratio = f"{moved / least:.2f}x" if least else "none needed"  # a store the cache holds whole
+        return f"{moved / GB:.2f} GB (least {least / GB:.2f}: {ratio})"
+
+    print(f"read {against(reads, plan['reads'])}, write {against(writes, plan['writes'])}")
     least = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in plan["least"].items())
     print(f"least by what the files hold: {least}")
     ends = run["ends"]
