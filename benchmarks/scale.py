@@ -245,7 +245,44 @@ def matmul_tflops(hidden: int, mlp: int, tokens: int) -> float:
     return 2 * tokens * hidden * mlp / statistics.median(runs) / 1e12
 
 
-def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> dict[str, Any]:
+def update_rates(numel: int = 1 << 24) -> tuple[float, float]:
+    """G parameters per second of the host's AdamW on one thread, as the engine's optimizer worker runs it
+    beside compute on the CPU (``engine/threads.py``): the int4 kernel (the decoder layers' large
+    parameters) and torch's AdamW with fp32 moments (embeddings, head, norms; ``foreach`` off, torch's
+    default on the CPU)."""
+    import torch
+
+    from megatrain_lightning.optim import codecs
+    from megatrain_lightning.optim.quantized import quantized_adamw_
+
+    param, grad = torch.randn(numel), torch.randn(numel)
+    state = codecs.empty_state(numel, 4)
+    hparams = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    fp32 = torch.nn.Parameter(torch.randn(numel))
+    fp32.grad = torch.randn(numel)
+    adamw = torch.optim.AdamW([fp32], lr=1e-4, foreach=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = []
+        for step_once in (
+            lambda step: quantized_adamw_(param, grad, *state, bits=4, step=step, num_threads=1, **hparams),
+            lambda step: adamw.step(),
+        ):
+            runs = []
+            for step in range(1, 6):
+                t0 = time.perf_counter()
+                step_once(step)
+                runs.append(time.perf_counter() - t0)
+            rates.append(numel / statistics.median(runs[1:]) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    return rates[0], rates[1]
+
+
+def plan_figures(
+    args: argparse.Namespace, disk_gbps: float, tflops: float, rates: tuple[float, float]
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -276,6 +313,9 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
     # held the 7B's embedding and no second slot for the layers: each loaded after the last had computed.)
     slots = 2 * max(shape.block_bytes(2))
     act = activation_bytes(shape, args.seq, 2)
+    # The host's AdamW over the model: the quantized parameters at the kernel's rate, the rest at torch's.
+    quantized = sum(b.large_numel for b in blocks if b.repeated)
+    update_s = quantized / (rates[0] * GB) + (shape.num_params - quantized) / (rates[1] * GB)
     # The run's budgets as the planner's machine: RAM = max_cpu_gb, "GPU" = two slots (RAM here too).
     machine = Machine(
         vram_gb=(slots + act) / GB / (1 - RESERVE) * 1.001,
@@ -284,6 +324,7 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
         pcie_gbps=1000.0,  # no link on the CPU: slots are RAM
         disk_gbps=disk_gbps,
         tflops=tflops,
+        update_gparams=shape.num_params / update_s / GB,
     )
     plan = plan_for(shape, machine, "int4", workload)
     print(format_plan(plan), flush=True)
@@ -305,6 +346,7 @@ def plan_figures(args: argparse.Namespace, disk_gbps: float, tflops: float) -> d
         "bound_by": row.bound_by,
         "compute_s": 6 * shape.num_params * args.seq / (tflops * 1e12),
         "disk_s": sum(disk_traffic(shape, "int4", 1, cache)) / (disk_gbps * GB),
+        "update_s": update_s,
         "least_disk_s": (least.reads + least.writes) / (disk_gbps * GB),
         "reads": least.reads,
         "writes": least.writes,
@@ -384,7 +426,8 @@ def report(
     median = statistics.median(s["s"] for s in steady)
     print(
         f"\nstep time (median of steps 2..): {median:.1f} s; planner bound {plan['step_s']:.1f} s "
-        f"({plan['bound_by']}; compute {plan['compute_s']:.1f} s, disk {plan['disk_s']:.1f} s): "
+        f"({plan['bound_by']}; compute {plan['compute_s']:.1f} s, disk {plan['disk_s']:.1f} s, update "
+        f"{plan['update_s']:.1f} s): "
         f"{median / plan['step_s']:.2f}x"
     )
     files: dict[str, float] = {}
@@ -484,7 +527,9 @@ def main() -> None:
     print(
         f"bf16 matmul {tflops:.3f} TFLOP/s ({args.seq} x {config.hidden_size} @ {config.intermediate_size})"
     )
-    plan = plan_figures(args, disk_gbps, tflops)
+    rates = update_rates()
+    print(f"AdamW on one thread: int4 kernel {rates[0]:.3f}, torch fp32 {rates[1]:.3f} G params/s")
+    plan = plan_figures(args, disk_gbps, tflops, rates)
     args.max_vram_gb = plan["slots"] * 1.01 / GB
     check_host_ram(args.max_cpu_gb)
     check_disk_space(args.dir, plan["files"] + plan["checkpoint"])

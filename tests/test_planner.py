@@ -88,6 +88,16 @@ def test_7b_footprints_by_hand():
     assert none.step_s == pytest.approx((weights + 4 * N_7B) / 25e9) and none.bound_by == "link"
 
 
+def test_a_slow_host_adamw_bounds_the_offloading_rows():
+    """megatrain and ZeRO-Offload update on the host: at 0.2 G parameters per second (the int4 kernel on
+    a share of two cores), a 7B step cannot take less than 6.74 B / 0.2e9 s; plain AdamW updates on the GPU."""
+    plan = plan_for("7b", Machine(vram_gb=80, ram_gb=512, disk_gb=4000, update_gparams=0.2))
+    for name in ("ZeRO-Offload", "megatrain none", "megatrain int4"):
+        row = plan.row(name)
+        assert row.bound_by == "update" and row.step_s == pytest.approx(N_7B / 0.2e9), name
+    assert plan.row("plain AdamW").bound_by == "compute"
+
+
 def test_7b_on_a_small_gpu_pages_and_a_small_host_goes_to_disk():
     workload = Workload(tokens_per_step=8 * 2048, micro_batch_tokens=2048)
     plan = plan_for("7b", Machine(vram_gb=12, ram_gb=64, disk_gb=1000, disk_gbps=5), "int8", workload)

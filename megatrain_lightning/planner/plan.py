@@ -164,7 +164,9 @@ def _largest(value: int | Sequence[int] | None) -> int | None:
 
 @dataclass(frozen=True)
 class Machine:
-    """Memory in GB (1e9 bytes), bandwidths in GB/s, compute in TFLOP/s (dense, compute dtype)."""
+    """Memory in GB (1e9 bytes), bandwidths in GB/s, compute in TFLOP/s (dense, compute dtype), the host's
+    AdamW in billions of parameters updated per second (megatrain's and ZeRO-Offload's updates run there:
+    the int4 kernel did about 0.2 on one core of a 2-core VM)."""
 
     vram_gb: float
     ram_gb: float
@@ -172,6 +174,7 @@ class Machine:
     pcie_gbps: float = 25.0
     disk_gbps: float = 6.0
     tflops: float = 400.0
+    update_gparams: float = 5.0
 
     @classmethod
     def detect(
@@ -317,11 +320,16 @@ def plan_for(
     gpu, host = cd * n + act, PLAIN_BYTES * n
     # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch.
     link_s = (1 + workload.micro_batches) * cd * n / (machine.pcie_gbps * GB)
-    rows.append(_row("ZeRO-Offload", gpu, host, 0.0, gpu <= vram and host <= ram, compute_s, link_s, 0.0))
+    update_s = n / (machine.update_gparams * GB)  # the host's AdamW over every parameter
+    rows.append(
+        _row("ZeRO-Offload", gpu, host, 0.0, gpu <= vram and host <= ram, compute_s, link_s, 0.0, update_s)
+    )
     block_bytes = shape.block_bytes(cd)
     for name in COMPRESSIONS:
         rows.append(
-            _megatrain_row(name, shape, workload, machine, act, block_bytes, compute_s, vram, ram, disk)
+            _megatrain_row(
+                name, shape, workload, machine, act, block_bytes, compute_s, update_s, vram, ram, disk
+            )
         )
     return Plan(shape, machine, workload, act / GB, max(block_bytes) / GB, tuple(rows), compression)
 
@@ -334,6 +342,7 @@ def _megatrain_row(
     act: float,
     block_bytes: tuple[int, ...],
     compute_s: float,
+    update_s: float,
     vram: float,
     ram: float,
     disk: float,
@@ -369,7 +378,9 @@ def _megatrain_row(
         else 0.0
     )
     settings = Settings(tier, pools, max(num_slots - 1, 1), cache / GB, budget / GB)
-    return _row(f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, settings)
+    return _row(
+        f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, update_s, settings
+    )
 
 
 def disk_traffic(
@@ -396,9 +407,10 @@ def _row(
     compute_s: float,
     link_s: float,
     disk_s: float,
+    update_s: float,
     settings: Settings | None = None,
 ) -> Row:
-    times = {"compute": compute_s, "link": link_s, "disk": disk_s}
+    times = {"compute": compute_s, "link": link_s, "disk": disk_s, "update": update_s}
     bound_by = max(times, key=times.__getitem__)
     return Row(method, gpu / GB, host / GB, disk / GB, fits, times[bound_by], bound_by, settings)
 

@@ -25,7 +25,8 @@ LEGEND = (
     "fits: within the machine less the reserve; for megatrain, at its least (slots for the 2 largest blocks,",
     "  the blocks in use). A row that does not fit shows that least need. tier, slots, prefetch, cache GB:",
     "  megatrain's settings.",
-    "step >= s: a lower bound on one optimizer step, set by the slowest of compute, link and disk (bound).",
+    "step >= s: a lower bound on one optimizer step, set by the slowest (bound) of compute, link, disk and",
+    "  the host's AdamW (update: megatrain's and ZeRO-Offload's).",
 )
 
 
@@ -38,7 +39,8 @@ def format_plan(plan: Plan) -> str:
         f"{_gb(plan.activations_gb)} GB per micro-batch of {w.micro_tokens} tokens"
         + (" (per-block checkpointing)" if w.activation_checkpointing else ""),
         f"machine: {mach.vram_gb:g} GB GPU, {mach.ram_gb:g} GB RAM, {mach.disk_gb:g} GB disk; "
-        f"link {mach.pcie_gbps:g} GB/s, disk {mach.disk_gbps:g} GB/s, {mach.tflops:g} TFLOP/s; "
+        f"link {mach.pcie_gbps:g} GB/s, disk {mach.disk_gbps:g} GB/s, {mach.tflops:g} TFLOP/s, host AdamW "
+        f"{mach.update_gparams:g} G params/s; "
         f"{w.tokens_per_step} tokens per step in {w.micro_batches} micro-batch(es); "
         f"{RESERVE:.0%} of GPU and RAM kept in reserve",
         "",
