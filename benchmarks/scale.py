@@ -131,7 +131,7 @@ def child(args: argparse.Namespace) -> None:
 
     class TimelineDump(L.Callback):
         """The engine's spans (fetch, compute, offload, optimizer, disk) of one optimizer step, as JSON
-        (seconds from the step's start) and a PNG beside the checkpoint folder."""
+        (seconds from the step's start) and a PNG in the working folder (the run's folders are removed)."""
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
             if trainer.global_step == args.timeline_step:
@@ -142,8 +142,7 @@ def child(args: argparse.Namespace) -> None:
             if trainer.global_step != args.timeline_step + 1 or not TIMELINE.enabled:
                 return
             events = TIMELINE.stop()
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-            path = os.path.join(args.ckpt_dir, f"timeline_step{args.timeline_step}")
+            path = f"timeline_step{args.timeline_step}"
             spans = [(e.lane, e.start - self.origin, e.end - self.origin) for e in events]
             with open(path + ".json", "w") as f:
                 json.dump(spans, f)
@@ -496,8 +495,8 @@ def main() -> None:
     parser.add_argument(
         "--timeline-step",
         type=int,
-        help="record the engine's spans of this optimizer step (0-based) into timeline_step<N>.json/.png "
-        "in --ckpt-dir",
+        help="record the engine's spans of this optimizer step (0-based) into timeline_step<N>.json and "
+        ".png in the working folder",
     )
     parser.add_argument("--max-vram-gb", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("train", "resume"), default=None, help=argparse.SUPPRESS)

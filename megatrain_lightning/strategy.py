@@ -228,7 +228,7 @@ class MegaTrainStrategy(RankedStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-        if fitting and self.optimizer_compression != "none" or self.engine.store.has_shadow:
+        if (fitting and self.optimizer_compression != "none") or self.engine.store.has_shadow:
             from megatrain_lightning.optim import kernel
 
             # Here, not in the first update or the first fetch (which rounds the shadow): no step waits
