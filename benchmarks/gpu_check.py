@@ -53,6 +53,7 @@ import copy
 import functools
 import gc
 import gzip
+import itertools
 import json
 import os
 import shutil
@@ -716,7 +717,7 @@ def disk(accelerator: str) -> list[Check]:
     cache_gb = max(sum(b.numel for b in blocks) * 2, 2 * least) / 1e9
     checks = []
     with tempfile.TemporaryDirectory() as root, _deterministic():
-        stores = iter(range(100))
+        stores = itertools.count()  # each disk-tier run its own folder
 
         def strategy(tier: str, compression: str = "int4") -> MegaTrainStrategy:
             if tier == "host":

@@ -266,9 +266,8 @@ def test_a_shadow_is_not_current_while_it_is_filled(monkeypatch):
         flat.copy_(torch.randn(1024))
     with store.pinned(0, SHADOW):
         assert store.shadow_is_current(0)
-    store.release_all_but(
-        "param"
-    )  # the shadow's buffer goes (not stale: absent); the next read makes it anew
+    # The shadow's buffer goes (not stale: absent); the next read makes it anew.
+    store.release_all_but("param")
     fill = bf16.to_bf16_
     seen: list[bool] = []
 
