@@ -1,7 +1,8 @@
 """Step time of the megatrain strategy against plain Lightning, side by side in one process.
 
-The ~170M Llama (``llama_config("170m")``, built from config), fp32 (``"32-true"``), one batch of
-``--batch`` x ``--seq`` random tokens per step, the same initial weights and batches in every case:
+The ~170M Llama (``llama_config("170m")``, built from config), fp32 (``"32-true"``; ``--precision
+bf16-mixed`` runs every case in it), one batch of ``--batch`` x ``--seq`` random tokens per step, the
+same initial weights and batches in every case:
 
 - ``a``: plain Lightning (``strategy="auto"``) with ``torch.optim.AdamW(fused=True)``;
 - ``b``: megatrain, slot budget >= the model (``model bytes * 1.1``), no activation checkpointing;
@@ -394,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--size", default="170m", help="Llama shape for llama_config (ignored with --quick)")
     parser.add_argument("--cases", default="abcd", help="which cases to run, e.g. 'ac'")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
     parser.add_argument(
         "--quick", action="store_true", help="small model (hidden 256, 4 layers): a smoke run"
     )
@@ -406,7 +408,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     config = bench_config(args.quick, args.size)
-    compare(config, args.cases, args.steps, args.warmup, args.batch, args.seq, args.repeats)
+    cases, steps, repeats = args.cases, args.steps, args.repeats
+    compare(config, cases, steps, args.warmup, args.batch, args.seq, repeats, "cpu", args.precision)
     print(f"total wall time {time.perf_counter() - start:.0f} s")
 
 

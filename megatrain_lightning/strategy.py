@@ -283,6 +283,12 @@ class MegaTrainStrategy(RankedStrategy):
             ),
         )
         optimizer.defer_updates = bool(trainer.gradient_clip_val) or user_code.reads_final_gradients(trainer)
+        # Clipped by norm on one rank: the norms are taken during the backward (data parallel adds shards').
+        optimizer.norms.early = (
+            bool(trainer.gradient_clip_val)
+            and (trainer.gradient_clip_algorithm or "norm") == "norm"
+            and engine.config.shard is None
+        )
         if isinstance(engine.grads, ShardedGrads):  # manual optimization: every backward reduces, as DDP's
             engine.grads.reduce_at_once = not module.automatic_optimization
         if engine.optimizer is not None:

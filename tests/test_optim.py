@@ -12,8 +12,10 @@ from torch import nn
 from megatrain_lightning import CPUAdamW, MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.optim.clipping import GradNorms
 from megatrain_lightning.optim.rebuild import cpu_adamw_from
 from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.memory import pages
 from megatrain_lightning.telemetry.stats import EngineStats
 
 
@@ -135,14 +137,62 @@ def test_updates_overlap_the_backward_pass(monkeypatch):
     during_closure = _record_submissions(monkeypatch)
     run = fit(tiny_model("llama"), MegaTrainStrategy(), steps=4)
     blocks = len(run.trainer.strategy.engine.blocks)
-    # Step 1 records the trace; from then on every block updates while backward is still running.
-    assert during_closure == [False] * blocks + [True] * 3 * blocks
+    # From the first step (before any trace), every block updates while the backward is still running.
+    assert during_closure == [True] * 4 * blocks
 
 
 def test_clipping_defers_updates_until_the_norm_is_known(monkeypatch):
     during_closure = _record_submissions(monkeypatch)
     fit(tiny_model("llama"), MegaTrainStrategy(), steps=4, gradient_clip_val=1.0)
     assert during_closure and not any(during_closure)
+
+
+def test_norm_clipping_takes_each_blocks_norms_in_the_backward(monkeypatch):
+    """Clipped by norm, each block's norms are taken as its sums become final in the stepping backward (from
+    the first step), so the global norm is known and the deferred updates start the moment the backward
+    ends. Bitwise plain Lightning."""
+    after_backward: list[bool] = []  # per block whose norms were taken: after the backward (in `total`)?
+    total, of_block = GradNorms.total, GradNorms._of_block
+
+    def spy_total(self, order, clamp):
+        self.in_total = True
+        try:
+            return total(self, order, clamp)
+        finally:
+            self.in_total = False
+
+    def spy_of_block(self, block, clamp):
+        after_backward.append(getattr(self, "in_total", False))
+        return of_block(self, block, clamp)
+
+    model = tiny_model("llama")
+    plain = fit(model, "auto", steps=4, gradient_clip_val=0.05)
+    monkeypatch.setattr(GradNorms, "total", spy_total)
+    monkeypatch.setattr(GradNorms, "_of_block", spy_of_block)
+    paged = fit(model, MegaTrainStrategy(), steps=4, gradient_clip_val=0.05)
+    assert_same_training(plain, paged)
+    blocks = len(paged.trainer.strategy.engine.blocks)
+    assert after_backward == [False] * 4 * blocks
+
+
+@pytest.mark.parametrize(
+    "options, whole",
+    [({}, False), ({"accumulate_grad_batches": 2}, True), ({"gradient_clip_val": 1.0}, True)],
+    ids=["one micro-batch", "accumulating", "clipping"],
+)
+def test_gradient_sums_exist_from_a_backward_to_their_update(options, whole):
+    """The host tier's gradient buffers go back to a pool once their update used them: with updates in the
+    backward, a buffer per block size serves every block; when all sums must wait for the step's end
+    (accumulation, clipping) the pool holds the whole model's."""
+    run = fit(tiny_model("llama"), MegaTrainStrategy(), steps=3, **options)
+    store = run.trainer.strategy.engine.store
+    held = store.nbytes("grad", "grad_pass")
+    sizes = {block.numel: pages(4 * block.numel) for block in store.blocks}
+    if whole:
+        assert held >= sum(pages(4 * block.numel) for block in store.blocks)
+    else:
+        assert 0 < held <= sum(sizes.values())
+    assert run.trainer.strategy.stats.host_bytes >= store.nbytes("param", "exp_avg", "exp_avg_sq") + held
 
 
 def test_a_block_is_never_fetched_before_its_update_finished(monkeypatch):

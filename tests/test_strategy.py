@@ -69,8 +69,9 @@ def test_weights_move_into_the_store_and_the_originals_are_freed():
     stats = trainer.strategy.stats
     pages = 4096 * len(trainer.strategy.engine.blocks)  # each buffer is whole pages
     assert 4 * numel <= trainer.strategy.engine.store.nbytes("param") <= 4 * numel + padding + pages
-    # store: master + grad + exp_avg + exp_avg_sq = 16 bytes per parameter
-    assert 16 * numel <= stats.host_bytes <= 4 * (4 * numel + padding + pages)
+    # store: master + exp_avg + exp_avg_sq = 12 bytes per parameter, and the gradient sums of the blocks
+    # between their backward and their update (a buffer per block size), not 4 more per parameter
+    assert 12 * numel <= stats.host_bytes < 16 * numel
     assert stats.peak_slot_bytes == stats.h2d_bytes == 0 < stats.fetch_wait_s  # zero copy on the CPU
 
 

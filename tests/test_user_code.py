@@ -285,7 +285,25 @@ def test_gradients_in_on_after_backward_equal_plain(tier, tmp_path):
     assert paged_hook.after_backward == pytest.approx(plain_hook.after_backward, rel=1e-6)
 
 
-def test_a_gradient_the_disk_tier_dropped_reads_none_not_zeros(tmp_path):
-    run = user_fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=tmp_path / "store", max_cpu_gb=0.01))
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_gradient_its_update_dropped_reads_none_not_zeros(tier, tmp_path):
+    kwargs = {"offload_dir": tmp_path / "store", "max_cpu_gb": 0.01} if tier == "disk" else {}
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(**kwargs))
     with pytest.warns(UserWarning, match="dropped once its update used it"):
         assert run.module.model.lm_head.weight.grad is None
+
+
+class TwiceBackwardLM(UserLM):
+    """Lightning's ``backward`` hook overridden with two backwards through one forward."""
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+def test_a_second_backward_through_one_forward_raises_instead_of_updating_early():
+    """A block's update starts at its last backward of the pass; a backward after it would add to gradients
+    already consumed: refused with a message, not a silently wrong step."""
+    strategy = MegaTrainStrategy(activation_checkpointing=True)
+    with pytest.raises(RuntimeError, match="second backward through one forward"):
+        user_fit(tiny_model("llama"), strategy, module_cls=TwiceBackwardLM)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
@@ -64,12 +65,25 @@ class HostGrads:
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
 
     def mark_consumed(self, block: int) -> None:
-        """``block``'s update has used its gradient sums (the store may have dropped them)."""
+        """``block``'s update has used its gradient sums, and the store has dropped them."""
         self._consumed.add(block)
 
-    def dropped(self, block: int) -> bool:
-        """Whether ``block``'s gradient sums were used by its update and are no longer in the store."""
-        return block in self._consumed and self.store.drops_discarded
+    def read(self, block: int, index: int) -> Tensor | None:
+        """A copy of one parameter's gradient summed since ``clear``; ``None`` if it has none, or once its
+        update used it (never zeros for a sum that is gone)."""
+        self.flush()
+        if index not in self._present[block]:
+            return None
+        if block in self._consumed:
+            warnings.warn(
+                "megatrain: a block's gradient is dropped once its update used it (its buffer serves the "
+                "next block), so `p.grad` is None after the update; read gradients in `on_after_backward` or "
+                "`on_before_optimizer_step` (updates wait for those hooks).",
+                stacklevel=4,
+            )
+            return None
+        spec = self.store.blocks[block].params[index]
+        return self.store.read_span(block, "grad", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
 
     def present(self, block: int) -> list[int]:
         """Indices of ``block``'s parameters that received a gradient since ``clear``."""

@@ -97,6 +97,7 @@ class PagedCall(torch.autograd.Function):
         ctx: Any, engine: Engine, site: CallSite, call: Call, anchor: Tensor, *tensors: Tensor
     ) -> Any:
         ctx.engine, ctx.site, ctx.call = engine, site, call
+        engine.backwards.forward(site.block.index)
         if engine.config.activation_checkpointing:
             ctx.forward_state = ForwardState.capture(engine.config.device)
             with (
@@ -150,7 +151,7 @@ class PagedCall(torch.autograd.Function):
             engine.resident(site, backward=True, grad=checkpointed) as (slot, bound),
             TIMELINE.span("compute"),
         ):
-            last_use = engine.pager.is_last_use(block)
+            last_use = engine.backwards.backward(block) or engine.pager.is_last_use(block)
             if checkpointed:
                 inputs = _detached(ctx.saved_tensors)
                 leaves = bound

@@ -38,7 +38,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
 from megatrain_lightning.engine.slots import Pools, SlotLayout, slot_pools
-from megatrain_lightning.engine.trace import UpdateCadence
+from megatrain_lightning.engine.trace import PendingBackwards, UpdateCadence
 from megatrain_lightning.engine.weights import StoredWeights
 from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
 from megatrain_lightning.serialization.safetensors_io import read_into
@@ -152,6 +151,7 @@ class Engine:
         )
         self.optimizer: Any = None  # CPUAdamW once fitting
         self._cadence = UpdateCadence()
+        self.backwards = PendingBackwards()  # this pass's training calls awaiting their backward
         self._anchor = torch.zeros((), requires_grad=True)
         # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
         self.guard_training_reads = False
@@ -285,20 +285,7 @@ class Engine:
     # -- what the module's side asks (see megatrain_lightning.engine.weights) --
 
     def read_grad(self, block: int, index: int) -> Tensor | None:
-        """A copy of one parameter's gradient summed since the optimizer's last ``zero_grad``."""
-        self.grads.flush()
-        if index not in self.grads.present(block):
-            return None
-        if self.grads.dropped(block):  # never zeros for a sum that is gone
-            warnings.warn(
-                "megatrain: with `offload_dir`, a block's gradient is dropped once its update used it, so "
-                "`p.grad` is None after the update; read gradients in `on_after_backward` or "
-                "`on_before_optimizer_step` (updates wait for those hooks).",
-                stacklevel=3,
-            )
-            return None
-        spec = self.blocks[block].params[index]
-        return self.store.read_span(block, "grad", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
+        return self.grads.read(block, index)
 
     def close(self) -> None:
         """Stop the worker threads, give the module plain parameters back and release the store (the disk
@@ -318,6 +305,7 @@ class Engine:
         if kind == "train":
             self._cadence.record(self.optimizer is not None and self.optimizer.stepping)
         self.pager.begin_pass(kind)
+        self.backwards.clear()
         self.stats.trace_deviations = self.pager.trace.deviations
 
     def schedule_state(self) -> dict[str, Any]:
@@ -419,6 +407,11 @@ class Engine:
     ) -> None:
         """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer."""
         block = site.block
+        if self.optimizer is not None and self.optimizer.updates.submitted(block.index):
+            raise RuntimeError(
+                f"megatrain: block {block.index} got gradients after its update began: a second backward "
+                "through one forward (`retain_graph=True`) in automatic optimization is not supported."
+            )
         found = {index: g for index, g in zip(leaves, grads, strict=True) if g is not None}
         optimizer = self.optimizer if last_use else None
         ready = functools.partial(optimizer.block_ready, block.index) if optimizer is not None else _nothing
@@ -427,9 +420,7 @@ class Engine:
             optimizer.claim_gradients(block.index)
         # Data parallel: every rank joins the block's reduction, with gradients of its own or none.
         if found or self.config.shard is not None:
-            # Without a trace to say otherwise, a block with one call site is used once per pass.
-            final = last_use or (not self.pager.trace.following and len(block.sites) == 1)
-            self.grads.offload(block.index, found, final, ready)
+            self.grads.offload(block.index, found, last_use, ready)
         else:
             ready()
 

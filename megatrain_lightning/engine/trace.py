@@ -8,6 +8,8 @@ the next pass will follow.
 
 from __future__ import annotations
 
+import collections
+
 Access = tuple[int, bool]  # (block index, is backward)
 
 
@@ -93,3 +95,25 @@ class UpdateCadence:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._every, self._since_update = state["every"], state["since_update"]
+
+
+class PendingBackwards:
+    """Per block, the training calls of this pass whose backward has not run. The backward that brings a
+    block's count to zero is its last in the pass: exact, since a pass runs all its forwards before its
+    backward and automatic optimization one backward per pass. The trace only predicts last uses from the
+    pass before, and a first pass has none: its updates would all wait for the step's end, every block's
+    gradients held meanwhile."""
+
+    def __init__(self) -> None:
+        self._due: collections.Counter[int] = collections.Counter()
+
+    def clear(self) -> None:
+        self._due.clear()
+
+    def forward(self, block: int) -> None:
+        self._due[block] += 1
+
+    def backward(self, block: int) -> bool:
+        """One backward of ``block`` ran; whether none is due any more."""
+        self._due[block] -= 1
+        return self._due[block] == 0

@@ -37,6 +37,7 @@ from torch.optim.adam import adam
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.optim import state_dict
 from megatrain_lightning.optim.bf16 import to_bf16_
+from megatrain_lightning.optim.clipping import GradNorms, clamp_
 from megatrain_lightning.optim.hparams import Clip, GroupHparams
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.optim.state_dict import FP32_MOMENTS
@@ -110,6 +111,7 @@ class CPUAdamW(Optimizer):
         self.grads = grads
         self.decoupled_weight_decay = decoupled_weight_decay
         self.defer_updates = False
+        self.norms = GradNorms(store, grads)
         self._in_step = False
         self._hparams: list[GroupHparams] = []
         self._clip = Clip()
@@ -165,6 +167,7 @@ class CPUAdamW(Optimizer):
         """Run ``closure`` (forward + backward; blocks may update during it), then update the rest."""
         self._opt_called = True  # what an LR scheduler's step-order check looks for
         self._hparams = [GroupHparams.of(group) for group in self.param_groups]
+        self.norms.clear()
         # An asynchronous offload of an earlier micro-batch that is still running would otherwise see the
         # step begun and submit its block's update with part of the gradient.
         self.grads.flush()
@@ -190,8 +193,11 @@ class CPUAdamW(Optimizer):
         return self._in_step
 
     def block_ready(self, block: int) -> None:
-        """The engine's signal that ``block``'s gradients are final for this backward."""
-        if self._in_step and not self.defer_updates:
+        """The engine's signal that ``block``'s gradients are final for this backward: in a stepping pass its
+        update starts now, or with deferred updates its norms are taken for clipping (if clipped by norm)."""
+        if self._in_step and self.defer_updates:
+            self.norms.block_final(block)
+        elif self._in_step:
             self._submit(block)
 
     def wait(self, block: int) -> None:
@@ -236,38 +242,16 @@ class CPUAdamW(Optimizer):
         self._clip = Clip(value=float(clip_value), coef=self._clip.coef)
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Global-norm clipping with exactly ``torch.nn.utils.clip_grad_norm_``'s arithmetic."""
+        """Global-norm clipping with exactly torch's arithmetic (:mod:`.clipping`)."""
         self._check_can_clip()
-        self.grads.flush()
-        norms: dict[tuple[int, int], Tensor] = {}
-        for block in range(len(self.store.blocks)):
-            present = self.grads.present(block)
-            if not present:
-                continue
-            for i in present:  # one parameter at a time: torch's reduction over each whole gradient
-                spec = self.store.blocks[block].params[i]
-                span = (spec.offset, spec.offset + spec.numel)
-                with self.store.pinned(block, "grad", write=self._clip.value is not None, span=span) as grad:
-                    if self._clip.value is not None:
-                        self._clamp([grad], self._clip.value)
-                    (norms[block, i],) = torch._foreach_norm([grad], 2.0)
+        total = self.norms.total(self._order, self._clip.value)
         self._clip = Clip()
-        if not norms:
+        if total is None:
             return torch.tensor(0.0)
-        # Stacked in torch's order (param groups, then parameters) so the total is bitwise torch's.
-        total = torch.linalg.vector_norm(
-            torch.stack([norms[key] for key in self._order if key in norms]), 2.0
-        )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._clip = Clip(coef=coef)
+        self._clip = Clip(coef=torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     # -- internals --
-
-    @staticmethod
-    def _clamp(grads: list[Tensor], value: float) -> None:
-        torch._foreach_clamp_min_(grads, -value)
-        torch._foreach_clamp_max_(grads, value)
 
     def _submit(self, block: int) -> None:
         hparams, clip = self._hparams, self._clip
@@ -342,7 +326,7 @@ class CPUAdamW(Optimizer):
                 continue
             grads = [part("grad", a, b) for a, b, _, _ in parts]
             if clip.value is not None:
-                self._clamp(grads, clip.value)
+                clamp_(grads, clip.value)
             if clip.coef is not None:
                 torch._foreach_mul_(grads, clip.coef)
             for a, b, _, first in parts:

@@ -42,8 +42,6 @@ _STALL_TIMEOUT_S = 120.0
 
 
 class DiskStore(ChunkedSpans, ReadAhead, HostStore):
-    drops_discarded = True
-
     def __init__(
         self,
         blocks: list[Block],

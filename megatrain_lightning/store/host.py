@@ -4,7 +4,10 @@ Each block owns one flat, page-aligned fp32 buffer of master weights (kind ``"pa
 beside it, flat buffers of the same layout for gradients and optimizer state (other kinds).
 Everything that reads or writes a block's numbers goes through ``pinned``, so the disk tier
 (:class:`megatrain_lightning.store.disk.DiskStore`) only changes where these buffers live and when
-they move. In this host tier every buffer stays in RAM for the store's whole life.
+they move. In this host tier every buffer stays in RAM for the store's whole life, except the gradient
+sums (``POOLED_KINDS``): a block's exist from its first gradient to the update that consumes them, and
+their buffer then goes back to a pool for the next block of its size. Without accumulation or clipping
+the sums of a few blocks exist at a time, not 4 bytes per parameter of the model.
 
 A block's buffers are also cut into *chunks* (``spans``: the same element ranges for every kind), the unit
 the disk tier caches, reads and writes: callers on the hot path (fetch, gradient add, update) pin one
@@ -44,6 +47,7 @@ from megatrain_lightning.telemetry.stats import EngineStats
 log = logging.getLogger(__name__)
 
 SHADOW = "shadow"  # bf16 copies of the weights that are bf16 on the device (see the module docstring)
+POOLED_KINDS = frozenset({"grad", "grad_pass"})  # buffers that live from a backward to their update
 Runs = list[tuple[int, int]]  # a block's element ranges [start, stop) in order, apart
 
 
@@ -56,7 +60,6 @@ def shadow_index(runs: Runs, element: int) -> int:
 class HostStore:
     """Per-block flat host buffers by kind (``param``, ``grad``, ``exp_avg``, ...), all in RAM."""
 
-    drops_discarded = False  # whether ``discard`` loses the contents (the disk tier's cache does)
     _shadow_runs: list[Runs] | None = None  # per block, the elements the shadow holds (None: no shadow)
 
     def __init__(
@@ -71,6 +74,7 @@ class HostStore:
         self.pin_memory = pin_memory
         self.stats = stats or EngineStats()
         self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._pool: dict[tuple[torch.dtype, int], list[Tensor]] = {}  # free POOLED_KINDS buffers by size
         self._kinds: dict[str, tuple[torch.dtype, Callable[[Block], int], Span]] = {}
         self._lock = threading.Lock()
         self._versions = [0] * len(blocks)
@@ -192,7 +196,8 @@ class HostStore:
     def pinned(
         self, block: int, kind: str, write: bool = False, span: tuple[int, int] | None = None
     ) -> Iterator[Tensor]:
-        """The flat buffer of ``kind`` for ``block`` (zeros until first written), or the part of it that
+        """The flat buffer of ``kind`` for ``block`` (zeros until first written; a gradient buffer from the
+        pool holds what its last block left: gradients are read only where written), or the part of it that
         block elements ``span`` own, held for the context. A read waits for the block's announced change;
         a writer is the change, or ordered after it. Weights are written by the block's update (which
         refreshes the shadow of what it changes) or through ``rewriting``."""
@@ -247,8 +252,15 @@ class HostStore:
         to do here)."""
 
     def discard(self, block: int, kind: str, span: tuple[int, int] | None = None) -> None:
-        """The contents of ``kind`` (of the chunk ``span``) are no longer needed (a consumed gradient):
-        kept allocated here."""
+        """The contents of ``kind`` (of the chunk ``span``) are no longer needed (a consumed gradient). A
+        gradient buffer goes back to the pool with its block's last chunk (callers discard in order)."""
+        spans = self.spans(block)
+        if kind not in POOLED_KINDS or (span is not None and spans and span[1] < spans[-1][1]):
+            return
+        with self._lock:
+            buf = self._buffers.pop((block, kind), None)
+            if buf is not None:
+                self._pool.setdefault((buf.dtype, buf.numel()), []).append(buf)
 
     def hint(self, future: Iterable[tuple[int, tuple[str, ...]]]) -> None:
         """The predicted coming accesses, in order, each a block and the kinds it will use; a tier
@@ -260,9 +272,12 @@ class HostStore:
     def nbytes(self, *kinds: str) -> int:
         """Bytes of host memory the store holds (for ``kinds``, or all): whole pages, as allocated (and
         page-locked, for pinned weights)."""
-        return sum(
+        held = sum(
             b.untyped_storage().nbytes() for (_, k), b in self._buffers.items() if not kinds or k in kinds
         )
+        if kinds and POOLED_KINDS.isdisjoint(kinds):
+            return held
+        return held + sum(b.untyped_storage().nbytes() for pool in self._pool.values() for b in pool)
 
     def forget_read_failures(self) -> None:
         """The run a failed read stopped is over (or a new one starts): the files are whole, so reads may
@@ -273,6 +288,7 @@ class HostStore:
         dict operations: this runs from a finalizer, which may interrupt any thread, even one holding it."""
         for key in [key for key in list(self._buffers) if key[1] not in kinds]:
             self._buffers.pop(key, None)
+        self._pool = {}
 
     def flush(self) -> None:
         """Make the authoritative copy complete (the disk tier writes its dirty cache back)."""
@@ -288,9 +304,10 @@ class HostStore:
                 buf = self._buffers.get(key)
                 if buf is None:
                     dtype, numel = self.layout(block, kind)
+                    pool = self._pool.get((dtype, numel)) if kind in POOLED_KINDS else None
                     # Only weights cross to the device; gradients and optimizer state stay pageable.
                     pinned = self.pin_memory and kind in ("param", SHADOW)
-                    buf = host_empty(numel, dtype, pinned)  # zeros: fresh pages
+                    buf = pool.pop() if pool else host_empty(numel, dtype, pinned)  # new: zeros
                     self._buffers[key] = buf
         return buf
 
