@@ -2,11 +2,12 @@
 
 Both update ``--numel`` fp32 parameters (100M by default) from a fixed gradient, on the same
 ``--threads`` torch threads. ``CPUAdamW`` is built the way the strategy builds it: over a
-:class:`HostStore` of one block, with the gradient offloaded into :class:`HostGrads`; its
-``step()`` submits the block's update to its worker thread, so a step is timed up to
-``wait_all()``. The two optimizers step alternately (so background load hits both alike), and
-the median of ``--steps`` steps after ``--warmup`` is reported as parameters per second, for each
-implementation: ``fused``, ``foreach`` and the single-tensor loop (torch's default on CPU).
+:class:`HostStore` of one block, with the gradient offloaded into :class:`HostGrads` and the
+update threads the strategy gives the CPU over a store in RAM (none: ``step()`` runs the block's
+update in its own thread, on every core); a step is timed up to ``wait_all()``. The two optimizers
+step alternately (so background load hits both alike), and the median of ``--steps`` steps after
+``--warmup`` is reported as parameters per second, for each implementation: ``fused``, ``foreach``
+and the single-tensor loop (torch's default on CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from torch import Tensor, nn
 
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
+from megatrain_lightning.engine.runtime import EngineConfig
+from megatrain_lightning.engine.threads import update_workers
 from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
@@ -60,13 +63,19 @@ def store_adamw(init: Tensor, grad: Tensor, **kwargs: object) -> tuple[CPUAdamW,
     """A ``CPUAdamW`` over a one-block store holding ``init``, with ``grad`` offloaded as its gradient."""
     holder = Holder(init.numel())
     stats = EngineStats()
-    store = HostStore(discover_blocks(holder, block_classes=[FlatBlock]), stats=stats)
+    blocks = discover_blocks(holder, block_classes=[FlatBlock])
+    store = EngineConfig(torch.device("cpu")).make_store(blocks, stats)  # the strategy's host tier
     with store.pinned(0, "param", write=True) as flat:
         store.blocks[0].views(flat)[0].copy_(init)
     grads = HostGrads(store, torch.device("cpu"), stats)
     grads.offload(0, {0: grad}, final=True, then=lambda: None)
     param = holder.block.weight
-    optimizer = CPUAdamW([param], store=store, grads=grads, locate={id(param): (0, 0)}, stats=stats, **kwargs)
+    # As the strategy sizes it on the CPU over a store in RAM: no worker, each update in the stepping thread
+    # with every core (a worker's parallel ops run on one thread there: engine/threads.py).
+    threads = update_workers(torch.device("cpu"), host_tier=True, requested=None)
+    optimizer = CPUAdamW(
+        [param], store=store, grads=grads, locate={id(param): (0, 0)}, stats=stats, threads=threads, **kwargs
+    )
     return optimizer, store
 
 

@@ -95,7 +95,6 @@ class CaseResult:
     step_s: list[float] = field(default_factory=list)  # start-to-start time of each timed step
     cpu_s: list[float] = field(default_factory=list)  # process CPU time (all threads) of each timed step
     foreign_s: list[float] = field(default_factory=list)  # CPU time other processes used during each step
-    fwd_bwd_s: list[float] = field(default_factory=list)  # batch start -> before optimizer step (the closure)
     in_step_s: list[float] = field(default_factory=list)  # batch start -> batch end
     losses: list[list[float]] = field(default_factory=list)  # per repeat, every step's loss
     num_slots: int | None = None
@@ -143,14 +142,15 @@ class BenchModule(L.LightningModule):
 
 
 class StepTimer(Callback):
-    """Timestamps of each training batch's start, optimizer step and end; losses; engine counters."""
+    """Timestamps of each training batch's start and end; losses; engine counters. No gradient hook
+    (``on_after_backward``, ``on_before_optimizer_step``): megatrain would defer every update to the step's
+    end for it, as it does for users who read gradients there, and the common path would go unmeasured."""
 
     def __init__(self, sync_cuda: bool = False) -> None:
         self.sync_cuda = sync_cuda
         self.starts: list[float] = []
         self.cpu_starts: list[float] = []
         self.busy: list[float] = []  # CPU seconds the whole machine has used, at each batch start
-        self.before_optimizer: list[float] = []
         self.ends: list[float] = []
         self.losses: list[float] = []
         self.stats: list[dict[str, float]] = []  # engine counters at each batch start
@@ -168,11 +168,6 @@ class StepTimer(Callback):
         self.busy.append(machine_busy_s())
         if isinstance(trainer.strategy, MegaTrainStrategy):
             self.stats.append(trainer.strategy.stats.as_dict())
-
-    def on_before_optimizer_step(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        self.before_optimizer.append(self._now())
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -290,7 +285,6 @@ def run_case(
     result.foreign_s += [
         (timer.busy[i + 1] - timer.busy[i]) - (timer.cpu_starts[i + 1] - timer.cpu_starts[i]) for i in timed
     ]
-    result.fwd_bwd_s += [timer.before_optimizer[i] - timer.starts[i] for i in timed]
     result.in_step_s += [timer.ends[i] - timer.starts[i] for i in timed]
     result.losses.append(timer.losses)
     if isinstance(strategy, MegaTrainStrategy):
@@ -341,7 +335,7 @@ def report(results: Sequence[CaseResult], num_blocks: int) -> None:
     """Print the step-time table, ratios to the plain run, loss agreement and engine counters."""
     base = next((r for r in results if r.case.budget is None), None)
     print(
-        f"\n{'case':<42} {'median s':>9} {'min s':>7} {'cpu s':>7} {'fwd+bwd s':>10} {'in-step s':>10} "
+        f"\n{'case':<42} {'median s':>9} {'min s':>7} {'cpu s':>7} {'in-step s':>10} "
         f"{'clean':>6} {'slots':>6} {'/plain':>7}  goal"
     )
     for r in results:
@@ -354,7 +348,7 @@ def report(results: Sequence[CaseResult], num_blocks: int) -> None:
         clean = f"{len(r.clean)}/{len(r.step_s)}"
         print(
             f"{r.case.key} {r.case.label:<40} {r.median_s:9.3f} {min(r.step_s):7.3f} "
-            f"{r.median(r.cpu_s):7.3f} {r.median(r.fwd_bwd_s):10.3f} {r.median(r.in_step_s):10.3f} "
+            f"{r.median(r.cpu_s):7.3f} {r.median(r.in_step_s):10.3f} "
             f"{clean:>6} {slots:>6} {ratio:7.3f}  {verdict}"
         )
     if base is not None:

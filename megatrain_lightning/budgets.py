@@ -58,12 +58,13 @@ def int_option(name: str, value: Any, least: int, auto: bool = False) -> int | s
 
 
 def io_option(threads: Any, chunk_mb: Any) -> IOConfig:
-    """``io_threads`` and ``io_chunk_mb``, the chunk in whole pages (O_DIRECT moves page-aligned lengths)."""
+    """``io_threads`` and ``io_chunk_mb`` (``None``: 16 MB on the disk tier, whole blocks on the host tier),
+    the chunk in whole pages (O_DIRECT moves page-aligned lengths)."""
     int_option("io_threads", threads, least=1)
     if gb_option("io_chunk_mb", chunk_mb) is None:
-        raise MisconfigurationException("`io_chunk_mb` must be a positive number of MB; got None.")
+        return IOConfig(threads=threads)
     chunk_bytes = max(ALIGNMENT, int(chunk_mb * (1 << 20)) // ALIGNMENT * ALIGNMENT)
-    return IOConfig(chunk_bytes=chunk_bytes, threads=threads)
+    return IOConfig(chunk_bytes=chunk_bytes, threads=threads, host_chunks=True)
 
 
 def gb_option(name: str, value: Any) -> float | None:

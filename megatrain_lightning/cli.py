@@ -80,7 +80,10 @@ def plan_parser() -> argparse.ArgumentParser:
     add("--disk-gbps", type=float, default=6.0, help="disk bandwidth, GB/s")
     add("--tflops", type=float, default=400.0, help="GPU compute in the compute dtype, TFLOP/s")
     add("--update-gparams", type=float, default=5.0, help="the host's AdamW, G parameters updated per s")
-    add("--tokens-per-step", type=int, default=4096, help="tokens per optimizer step")
+    add("--ranks", type=int, default=1, help="data parallel: ranks (GPUs) per node; figures per rank")
+    add("--nodes", type=int, default=1, help="data parallel: nodes")
+    add("--network-gbps", type=float, default=25.0, help="data parallel: each rank's collective GB/s")
+    add("--tokens-per-step", type=int, default=4096, help="tokens per optimizer step (on each rank)")
     add("--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch (default: one per step)")
     add("--compute-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     add("--compression", choices=COMPRESSIONS, default="none", help="optimizer state of interest")
@@ -92,7 +95,10 @@ def plan_main(argv: list[str]) -> None:
     """``megatrain plan``: print the planner's table; a model it cannot read is a one-line usage error."""
     parser = plan_parser()
     a = parser.parse_args(argv)
-    machine = Machine(a.vram, a.ram, a.disk, a.pcie_gbps, a.disk_gbps, a.tflops, a.update_gparams)
+    if a.ranks < 1 or a.nodes < 1:
+        parser.error("--ranks and --nodes must be at least 1")
+    speeds = (a.pcie_gbps, a.disk_gbps, a.tflops, a.update_gparams)
+    machine = Machine(a.vram, a.ram, a.disk, *speeds, a.ranks, a.nodes, a.network_gbps)
     workload = Workload(
         a.tokens_per_step, a.micro_batch_tokens, a.compute_dtype, not a.no_activation_checkpointing
     )

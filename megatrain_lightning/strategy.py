@@ -90,7 +90,8 @@ class MegaTrainStrategy(RankedStrategy):
             ``offload_dir`` (each update then runs in the compute thread, see ``engine/threads.py``).
         io_threads: disk tier: blocks read or written at once.
         io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
-            pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size.
+            pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size
+            (``None``: 16 on the disk tier; the host tier, all in RAM, works on whole blocks unless given).
         zero_copy: on the CPU with fp32 compute and the host tier, blocks compute on the store's weights
             themselves (no slots, nothing copied); ``False`` copies them into slots as on a GPU.
         start_method: how Lightning starts the ranks of one node with ``devices > 1``, as for DDP:
@@ -115,7 +116,7 @@ class MegaTrainStrategy(RankedStrategy):
         prefetch_depth: int | str = "auto",
         optimizer_threads: int | None = None,
         io_threads: int = 4,
-        io_chunk_mb: float = 16,
+        io_chunk_mb: float | None = None,
         zero_copy: bool = True,
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,

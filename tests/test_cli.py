@@ -123,6 +123,8 @@ def test_plan_subcommand_prints_the_table(capsys):
     for method in ("plain AdamW", "ZeRO-Offload", "megatrain none", "megatrain int8", "megatrain int4"):
         assert method in out
     assert "recommended: megatrain none with the store in host RAM" in out
+    main(["plan", "--model", "7b", "--vram", "80", "--ram", "512", "--ranks", "8", "--nodes", "2"])
+    assert "network GB" in capsys.readouterr().out
 
 
 def test_megatrain_is_the_default_strategy_and_help_lists_every_subcommand(capsys):

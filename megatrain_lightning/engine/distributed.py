@@ -39,8 +39,10 @@ from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.layout import Block, align_up, chunk_spans
 from megatrain_lightning.telemetry.stats import EngineStats
 
-# ``reduce_scatter_tensor`` is deprecated in favour of ``reduce_scatter_single`` where that exists.
+# ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are deprecated in favour of the ``_single``
+# collectives where those exist.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class _ShardedStore:
             with super().pinned(block, kind, span=(lo, hi)) as own:
                 mine[: hi - lo] = own
         full = torch.empty(size * self.shard.world, dtype=dtype)
-        dist.all_gather_into_tensor(full, mine)
+        _all_gather(full, mine)
         self.stats.add(gathered_bytes=full.nbytes - mine.nbytes)
         return full
 

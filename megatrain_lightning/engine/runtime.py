@@ -107,9 +107,10 @@ class EngineConfig:
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
+            chunk = self.io.chunk_numel if self.io.host_chunks else max(b.numel for b in blocks)
             if self.shard is not None:
-                return ShardedHostStore(self.shard, blocks, stats, self.io.chunk_numel)
-            return HostStore(blocks, self.pin_memory, stats, self.io.chunk_numel)
+                return ShardedHostStore(self.shard, blocks, stats, chunk)
+            return HostStore(blocks, self.pin_memory, stats, chunk)
         disk_store = DiskStore if self.shard is None else functools.partial(ShardedDiskStore, self.shard)
         return disk_store(
             blocks,

@@ -5,9 +5,9 @@ Taken when clipping asks, the norms are a pass over every gradient after the bac
 waits and the deferred updates cannot start. So when the trainer clips by norm (``early``), each block's
 norms are taken as soon as its sums are final in the stepping backward (``block_final``: in the gradient
 offload's worker on CUDA, while the device computes the next block) and the global norm is known the
-moment the backward ends. Norms a block did not get early (the first pass, before the trace knows which
-use of a block is its last) are taken when asked, and a value clamp before the norm (``clip_grad_value_``
-then ``clip_grad_norm_``) takes them all again after clamping.
+moment the backward ends. Norms a block did not get early (its last backward never came: a forward no
+loss used) are taken when asked, and a value clamp before the norm (``clip_grad_value_`` then
+``clip_grad_norm_``) takes them all again after clamping.
 """
 
 from __future__ import annotations

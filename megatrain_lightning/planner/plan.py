@@ -18,8 +18,10 @@ plus one fp32 scale per block), and on the host tier under bf16 compute the shad
 weights for the parameters that sit in the slots in bf16 (``store/host.py``). The host tier is chosen
 when the store, the shadow and the gradient buffer fit in RAM; otherwise the store and the gradients
 live on disk (as the strategy lays them out, without a shadow) and the RAM caches them, at least
-the blocks in use. Beside either, the gradient offload pins two staging buffers of the largest block
-in fp32. Slots come in pools, one per block size on the device (the compute dtype except what stays
+the blocks in use. The plan counts every parameter's gradient sum: all exist at a step's end under
+accumulation or clipping (without either, the host tier holds only those of the blocks between their
+backward and their update). Beside either, the gradient offload pins two staging buffers of the largest
+block in fp32. Slots come in pools, one per block size on the device (the compute dtype except what stays
 fp32 under mixed precision: embeddings, norms, biases), sized from the GPU memory left beside the
 activations by the engine's own rule (:func:`.slots.slot_pools`): at least the two largest blocks,
 every block when they all fit.
@@ -31,135 +33,44 @@ The step-time lower bound is the largest of compute (6 x params x tokens / FLOP/
 transfer (weights in for forward and backward, fp32 gradients out, per micro-batch; the weights cross
 in their slot dtype from the host tier's shadow, in fp32 from the disk tier, whose slots convert)
 and, on the disk tier, the least traffic the step's schedule allows through the host cache
-(:func:`megatrain_lightning.planner.traffic.least_disk_traffic`).
+(:func:`megatrain_lightning.planner.traffic.least_disk_traffic`), and the host's AdamW.
+
+Data parallel (``Machine.ranks_per_node`` ranks on each of ``Machine.nodes`` nodes): every figure is one
+rank's. Each rank runs ``Workload``'s tokens, holds 1/ranks of the store, gradient sums and Adam state
+(plain AdamW under DDP: everything), and shares its node's RAM, disk, disk bandwidth and host AdamW with
+the node's other ranks. A fifth bound is the network: per micro-batch megatrain all-gathers each block
+twice (forward and backward) and reduce-scatters its gradients once, all in fp32
+(``engine/distributed.py``), of which a rank receives (ranks - 1)/ranks; DDP all-reduces the fp32
+gradients once per step, ZeRO-Offload reduce-scatters gradients and all-gathers weights in the compute
+dtype.
 :func:`plan_for` is what the strategy calls to resolve ``"auto"`` options;
 :func:`megatrain_lightning.planner.table.format_plan` prints the table of ``megatrain plan``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
-from megatrain_lightning.engine.blocks import discover_blocks
-from megatrain_lightning.engine.slots import OVERLAP, Pools, mixed_fp32_numels, slot_pools
+from megatrain_lightning.engine.slots import OVERLAP, Pools, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
+from megatrain_lightning.planner.shape import MASTER_BYTES, ModelShape, load_shape
 from megatrain_lightning.planner.traffic import least_disk_traffic
-from megatrain_lightning.presets import llama_config, resolve_config, tiny_config
 from megatrain_lightning.store.sizing import STATE_BYTES, min_cache_bytes, staging_bytes
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-MASTER_BYTES = 4.0  # fp32 master weights in the store
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
-PRESETS = ("tiny", "170m", "1b", "3b", "7b", "70b")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a model: its paging blocks and the sizes that drive activations."""
-
-    block_numels: tuple[int, ...]
-    hidden_size: int
-    mlp_width: int  # per token: the MLP's intermediate width (times the active experts for MoE)
-    num_layers: int
-    vocab_size: int
-    # Per block, the elements that stay fp32 on the device under mixed precision (embeddings, norms,
-    # biases: engine/slots.py); empty: none.
-    fp32_numels: tuple[int, ...] = ()
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.block_numels)
-
-    @property
-    def largest_block(self) -> int:
-        return max(self.block_numels)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_numels)
-
-    def shadow_numel(self, dtype_bytes: int) -> int:
-        """Parameters narrower than fp32 on the device in a compute dtype of ``dtype_bytes`` (none in fp32):
-        what the host tier's shadow holds and the link carries at ``dtype_bytes`` each."""
-        if dtype_bytes >= MASTER_BYTES:
-            return 0
-        kept = self.fp32_numels or (0,) * self.num_blocks
-        return sum(n - k for n, k in zip(self.block_numels, kept, strict=True))
-
-    def block_bytes(self, dtype_bytes: int) -> tuple[int, ...]:
-        """Each block's bytes on the device in a compute dtype of ``dtype_bytes``, its fp32-kept parameters
-        in fp32 when that dtype is narrower (the engine's layout may add a few hundred bytes of alignment
-        between runs of different dtypes: engine/slots.py)."""
-        kept = self.fp32_numels or (0,) * self.num_blocks
-        wide = max(dtype_bytes, int(MASTER_BYTES))
-        return tuple((n - k) * dtype_bytes + k * wide for n, k in zip(self.block_numels, kept, strict=True))
-
-    @classmethod
-    def from_module(cls, model: nn.Module, block_classes: Iterable[str | type] | None = None) -> ModelShape:
-        """Blocks as the engine pages them (padding included); sizes from the Hugging Face config inside."""
-        config = next(
-            (m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)),
-            None,
-        )
-        if config is None:
-            raise ValueError(f"{type(model).__name__} holds no Hugging Face config to plan activations from")
-        blocks = discover_blocks(model, block_classes)
-        return cls.from_blocks([b.numel for b in blocks], config, mixed_fp32_numels(blocks))
-
-    @classmethod
-    def from_config(cls, config: PretrainedConfig) -> ModelShape:
-        """Build the model on the meta device (no memory, well under a second for 70B) and measure it."""
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        return cls.from_module(model)
-
-    @classmethod
-    def from_blocks(
-        cls, block_numels: Sequence[int], config: PretrainedConfig, fp32_numels: Sequence[int] = ()
-    ) -> ModelShape:
-        """From the engine's blocks (``[b.numel for b in blocks]``, and ``mixed_fp32_numels(blocks)``) and
-        the model's (text) config; widths given per layer (Gemma-3n, Gemma-4) count at their largest."""
-        config = config.get_text_config()
-        hidden = config.hidden_size
-        experts = _largest(getattr(config, "num_experts_per_tok", None)) or 1
-        if getattr(config, "moe_intermediate_size", None):
-            width = _largest(config.moe_intermediate_size) * experts
-            width += _largest(getattr(config, "shared_expert_intermediate_size", None)) or 0
-        else:
-            width = (
-                _largest(getattr(config, "intermediate_size", None))
-                or _largest(getattr(config, "n_inner", None))
-                or 4 * hidden
-            ) * experts
-        return cls(
-            tuple(block_numels),
-            hidden,
-            width,
-            config.num_hidden_layers,
-            config.vocab_size,
-            tuple(fp32_numels),
-        )
-
-
-def _largest(value: int | Sequence[int] | None) -> int | None:
-    """A config width that may be given per layer."""
-    if isinstance(value, (list, tuple)):
-        return max(value, default=None)
-    return value
 
 
 @dataclass(frozen=True)
@@ -176,6 +87,17 @@ class Machine:
     disk_gbps: float = 6.0
     tflops: float = 400.0
     update_gparams: float = 5.0
+    ranks_per_node: int = 1  # data parallel: a GPU each (the figures above are one GPU's, one node's)
+    nodes: int = 1
+    network_gbps: float = 25.0  # what each rank's collectives move per second (the slowest hop)
+
+    @property
+    def ranks(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    def received(self, nbytes: float) -> float:
+        """Bytes a rank receives in a ring all-gather or reduce-scatter of a buffer of ``nbytes``."""
+        return nbytes * (self.ranks - 1) / self.ranks
 
     @classmethod
     def detect(
@@ -243,8 +165,9 @@ class Row:
     disk_gb: float
     fits: bool
     step_s: float
-    bound_by: str  # "compute", "link" or "disk"
+    bound_by: str  # "compute", "link", "disk", "update" or "network"
     settings: Settings | None = None  # megatrain rows only
+    network_gb: float = 0.0  # what a rank's collectives receive per step (data parallel)
 
 
 @dataclass(frozen=True)
@@ -308,23 +231,28 @@ def plan_for(
     cd = DTYPE_BYTES[workload.compute_dtype]
     n = shape.num_params
     act = activation_bytes(shape, workload.micro_tokens, cd, workload.activation_checkpointing)
-    vram, ram, disk = (
+    vram, ram, disk = (  # a rank's: its GPU, its share of its node's RAM and disk
         machine.vram_gb * GB * (1 - RESERVE),
-        machine.ram_gb * GB * (1 - RESERVE),
-        machine.disk_gb * GB,
+        machine.ram_gb * GB * (1 - RESERVE) / machine.ranks_per_node,
+        machine.disk_gb * GB / machine.ranks_per_node,
     )
     compute_s = 6 * n * workload.tokens_per_step / (machine.tflops * 1e12)
+    micro, ranks = workload.micro_batches, machine.ranks
 
     rows = []
     gpu = PLAIN_BYTES * n + act
-    rows.append(Row("plain AdamW", gpu / GB, 0.0, 0.0, gpu <= vram, compute_s, "compute"))
-    gpu, host = cd * n + act, PLAIN_BYTES * n
-    # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch.
-    link_s = (1 + workload.micro_batches) * cd * n / (machine.pcie_gbps * GB)
-    update_s = n / (machine.update_gparams * GB)  # the host's AdamW over every parameter
-    rows.append(
-        _row("ZeRO-Offload", gpu, host, 0.0, gpu <= vram and host <= ram, compute_s, link_s, 0.0, update_s)
-    )
+    ddp = machine.received(2 * 4 * n)  # the fp32 gradients' all-reduce: a reduce-scatter and an all-gather
+    rows.append(_row("plain AdamW", gpu, 0.0, 0.0, gpu <= vram, compute_s, 0.0, 0.0, 0.0, ddp, machine))
+    gpu, host = cd * n + act, PLAIN_BYTES * n / ranks
+    # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch: a
+    # rank's partition of each; the network gathers the weights and reduce-scatters every micro-batch's grads.
+    link_s = (1 + micro) * cd * n / ranks / (machine.pcie_gbps * GB)
+    network = (1 + micro) * machine.received(cd * n)
+    # The host AdamW's share of a rank: its part of the parameters, its part of the node's cores.
+    update_s = n / ranks / (machine.update_gparams / machine.ranks_per_node * GB)
+    fits = gpu <= vram and host <= ram
+    times = (compute_s, link_s, 0.0, update_s, network, machine)
+    rows.append(_row("ZeRO-Offload", gpu, host, 0.0, fits, *times))
     block_bytes = shape.block_bytes(cd)
     for name in COMPRESSIONS:
         rows.append(
@@ -348,10 +276,12 @@ def _megatrain_row(
     ram: float,
     disk: float,
 ) -> Row:
-    n = shape.num_params
+    n, ranks = shape.num_params, machine.ranks
     cd = DTYPE_BYTES[workload.compute_dtype]
-    store = (MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n
-    shadow = shape.shadow_numel(cd) * cd  # the host tier's weights in the compute dtype
+    store = ((MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n) / ranks  # the rank's shard
+    # The host tier's weights in the compute dtype (a sharded store keeps none: it gathers fp32).
+    narrow = shape.shadow_numel(cd) if ranks == 1 else 0
+    shadow = narrow * cd
     staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
     budget = max(vram - act, 0.0)
     pools = slot_pools(block_bytes, budget)
@@ -368,20 +298,19 @@ def _megatrain_row(
     gpu, host = (slots + act, cache + staging) if fits else (gpu_need, host_need)
     micro = workload.micro_batches
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch:
-    # from the host tier's shadow in the compute dtype, from the disk tier in fp32 (its slots convert).
-    narrow = shape.shadow_numel(cd) if tier == "host" else 0
+    # from the host tier's shadow in the compute dtype, from the disk tier in fp32 (its slots convert). Data
+    # parallel: a rank's shard of each, twice per micro-batch (gathered, never kept), and its gradients'.
+    narrow = narrow if tier == "host" else 0
     fetch_bytes = narrow * cd + (n - narrow) * MASTER_BYTES
-    fetches = 1 if num_slots >= shape.num_blocks else 2 * micro
-    link_s = (fetches * fetch_bytes + micro * GRAD_BYTES * n) / (machine.pcie_gbps * GB)
-    disk_s = (
-        sum(disk_traffic(shape, compression, micro, cache)) / (machine.disk_gbps * GB)
-        if tier == "disk"
-        else 0.0
-    )
+    fetches = 1 if num_slots >= shape.num_blocks and ranks == 1 else 2 * micro
+    link_s = (fetches * fetch_bytes + micro * GRAD_BYTES * n) / ranks / (machine.pcie_gbps * GB)
+    # The shard's traffic: the least traffic scales with the store and cache (traffic.py).
+    moved = sum(disk_traffic(shape, compression, micro, cache * ranks)) / ranks if tier == "disk" else 0.0
+    disk_s = moved / (machine.disk_gbps / machine.ranks_per_node * GB)
+    network = micro * (2 * machine.received(MASTER_BYTES * n) + machine.received(GRAD_BYTES * n))
     settings = Settings(tier, pools, max(num_slots - 1, 1), cache / GB, budget / GB)
-    return _row(
-        f"megatrain {compression}", gpu, host, disk_need, fits, compute_s, link_s, disk_s, update_s, settings
-    )
+    row = (gpu, host, disk_need, fits, compute_s, link_s, disk_s, update_s, network, machine, settings)
+    return _row(f"megatrain {compression}", *row)
 
 
 def disk_traffic(
@@ -409,38 +338,16 @@ def _row(
     link_s: float,
     disk_s: float,
     update_s: float,
+    network: float,
+    machine: Machine,
     settings: Settings | None = None,
 ) -> Row:
-    times = {"compute": compute_s, "link": link_s, "disk": disk_s, "update": update_s}
+    """A row from its memory (bytes) and the step's bounds (s), ``network`` the bytes a rank receives."""
+    network_s = network / (machine.network_gbps * GB)
+    times = {"compute": compute_s, "link": link_s, "disk": disk_s, "update": update_s, "network": network_s}
     bound_by = max(times, key=times.__getitem__)
-    return Row(method, gpu / GB, host / GB, disk / GB, fits, times[bound_by], bound_by, settings)
-
-
-def load_shape(model: ModelShape | PretrainedConfig | nn.Module | str | os.PathLike) -> ModelShape:
-    """A :class:`ModelShape` from a shape, a config, a model, or a string naming a preset
-    (``tiny``, ``170m``, ``1b``, ``7b``, ``70b``), a ``config.json`` file or a model directory."""
-    if isinstance(model, ModelShape):
-        return model
-    if isinstance(model, nn.Module):
-        return ModelShape.from_module(model)
-    if isinstance(model, PretrainedConfig):
-        return ModelShape.from_config(model)
-    return ModelShape.from_config(_load_config(os.fspath(model)))
-
-
-def _load_config(spec: str) -> PretrainedConfig:
-    if spec.lower() == "tiny":
-        return tiny_config("llama")
-    if spec.lower() in PRESETS:
-        return llama_config(spec)
-    path = Path(spec)
-    if path.is_file():
-        return resolve_config(json.loads(path.read_text()))[0]
-    if path.is_dir():
-        return AutoConfig.from_pretrained(path)
-    raise ValueError(
-        f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), a config.json nor a directory"
-    )
+    step_s = times[bound_by]
+    return Row(method, gpu / GB, host / GB, disk / GB, fits, step_s, bound_by, settings, network / GB)
 
 
 def recommend(plan: Plan) -> Row | None:

@@ -25,8 +25,10 @@ LEGEND = (
     "fits: within the machine less the reserve; for megatrain, at its least (slots for the 2 largest blocks,",
     "  the blocks in use). A row that does not fit shows that least need. tier, slots, prefetch, cache GB:",
     "  megatrain's settings.",
-    "step >= s: a lower bound on one optimizer step, set by the slowest (bound) of compute, link, disk and",
-    "  the host's AdamW (update: megatrain's and ZeRO-Offload's).",
+    "step >= s: a lower bound on one optimizer step, set by the slowest (bound) of compute, link, disk,",
+    "  the host's AdamW (update: megatrain's and ZeRO-Offload's) and, data parallel, the network.",
+    "network GB: what one rank's collectives receive per step (megatrain: each block all-gathered twice and",
+    "  its gradients reduce-scattered once per micro-batch, fp32; plain AdamW: DDP's all-reduce).",
 )
 
 
@@ -45,6 +47,12 @@ def format_plan(plan: Plan) -> str:
         f"{RESERVE:.0%} of GPU and RAM kept in reserve",
         "",
     ]
+    if mach.ranks > 1:
+        lines[-1:-1] = [
+            f"data parallel: {mach.ranks_per_node} rank(s) on each of {mach.nodes} node(s), {mach.ranks} in "
+            f"all; network {mach.network_gbps:g} GB/s per rank; every figure below is one rank's (its "
+            f"share of its node's RAM and disk), its tokens per step as above"
+        ]
     header = (
         "method",
         "GPU GB",
@@ -57,6 +65,7 @@ def format_plan(plan: Plan) -> str:
         "cache GB",
         "step >= s",
         "bound",
+        *(("network GB",) if mach.ranks > 1 else ()),
     )
     table = [header]
     for r in plan.rows:
@@ -74,6 +83,7 @@ def format_plan(plan: Plan) -> str:
                 _gb(s.cache_gb) if s else "-",
                 f"{r.step_s:.3g}",
                 r.bound_by,
+                *((_gb(r.network_gb),) if mach.ranks > 1 else ()),
             )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]

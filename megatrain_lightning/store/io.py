@@ -32,6 +32,9 @@ class IOConfig:
     chunk_bytes: int = 16 << 20  # the store's chunk of a block (in fp32 bytes), and per preadv/pwritev call
     threads: int = 4  # blocks in flight at once (the queue depth, in blocks)
     direct: bool = True  # O_DIRECT where the filesystem allows it
+    # The host tier's blocks in chunks too (``io_chunk_mb`` given); else it works on whole blocks: with
+    # every buffer in RAM a chunk bounds no memory and only cuts an update into more, smaller calls.
+    host_chunks: bool = False
 
     @property
     def chunk_numel(self) -> int:

@@ -1,0 +1,186 @@
+"""Data parallel on the CPU (gloo): one rank against two, side by side in one run (issue 16).
+
+The same Llama (``--size`` preset, or a small one with ``--quick``), fp32, trains on one rank with ``2 x
+--batch`` rows per step and on two forked ranks with ``--batch`` rows each: the same global batch (the
+one-rank run is fed the rows in the order Lightning's ``DistributedSampler`` deals them to the ranks). Per
+rank and timed step it reports what the rank's collectives received (``stats.gathered_bytes``,
+``stats.reduce_scattered_bytes``) against the least a sharded step needs: every block gathered for its
+forward and again for its backward, its gradients reduce-scattered once, of which a rank receives
+(world - 1)/world of the model's bytes in the dtype moved (fp32: the engine gathers the fp32 masters and
+reduces fp32 gradients); the store bytes each rank holds against the one rank's; the losses' agreement;
+and step times (two ranks on a 2-core machine share its cores: a CPU run shows the bytes, not a speed-up).
+``python benchmarks/bench_parallel.py --quick`` is a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from bench_engine import BenchModule, bench_config, block_bytes, build_model
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel
+
+from megatrain_lightning import MegaTrainStrategy
+
+WORLD = 2
+
+
+class RankReport(L.Callback):
+    """Per rank: each training batch's start time and collective bytes, the losses reduced over the ranks,
+    and at the end the store's bytes, written to ``out/rank<r>.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.starts: list[float] = []
+        self.moved: list[tuple[int, int]] = []  # (gathered, reduce-scattered) at each batch start and the end
+        self.losses: list[float] = []
+
+    def _moved(self, trainer: L.Trainer) -> tuple[int, int]:
+        stats = trainer.strategy.stats
+        return stats.gathered_bytes, stats.reduce_scattered_bytes
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+        self.moved.append(self._moved(trainer))
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any
+    ) -> None:
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.starts.append(time.perf_counter())
+        self.moved.append(self._moved(trainer))
+        report = {
+            "starts": self.starts,
+            "moved": self.moved,
+            "losses": self.losses,
+            "store_bytes": trainer.strategy.engine.store.nbytes(),
+            "world": trainer.world_size,
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def rows(vocab: int, n: int, seq: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows of uniformly random tokens, labels equal to the inputs (Hugging Face shifts them)."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (seq,), generator=generator)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def dealt_order(n: int) -> list[int]:
+    """The permutation Lightning's ``DistributedSampler`` deals training rows from in the first epoch
+    (seeded by ``PL_GLOBAL_SEED``); rank ``r`` takes every ``WORLD``-th row from ``r`` on."""
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def train(
+    model: PreTrainedModel, data: list[dict[str, torch.Tensor]], batch: int, ranks: int, out: Path
+) -> None:
+    """Fit a copy of ``model`` on ``ranks`` ranks, one step per ``batch`` rows of each rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    strategy = (
+        MegaTrainStrategy(start_method="fork", timeout=timedelta(minutes=5)) if ranks > 1 else "megatrain"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ranks,
+        strategy=strategy,
+        max_steps=len(data) // (batch * ranks),
+        callbacks=[RankReport(out)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    torch.manual_seed(1)
+    trainer.fit(BenchModule(copy.deepcopy(model)), train_dataloaders=DataLoader(data, batch_size=batch))
+
+
+def per_step(report: dict[str, Any], warmup: int) -> dict[str, float]:
+    """Medians over the timed steps: seconds, bytes gathered and reduce-scattered."""
+    starts, moved = report["starts"], report["moved"]
+    timed = range(warmup, len(starts) - 1)
+    return {
+        "step_s": statistics.median(starts[i + 1] - starts[i] for i in timed),
+        "gathered": statistics.median(moved[i + 1][0] - moved[i][0] for i in timed),
+        "reduce_scattered": statistics.median(moved[i + 1][1] - moved[i][1] for i in timed),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="170m", help="Llama shape for llama_config (ignored with --quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small model (hidden 256, 4 layers): a smoke run"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="rows per rank and step (one rank: twice that)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    config = bench_config(args.quick, args.size)
+    model = build_model(config)
+    model_bytes, _, _ = block_bytes(model)
+    data = rows(config.vocab_size, (args.warmup + args.steps) * args.batch * WORLD, args.seq)
+    print(
+        f"model: {model_bytes / 4 / 1e6:.1f}M parameters, {model_bytes / 1e9:.3f} GB fp32; "
+        f"{args.warmup} warm-up + {args.steps} timed steps of {WORLD * args.batch} x {args.seq} tokens; "
+        f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        print("one rank ...", flush=True)
+        train(model, [data[i] for i in dealt_order(len(data))], WORLD * args.batch, 1, Path(folder, "one"))
+        print(f"{WORLD} ranks (gloo, forked) ...", flush=True)
+        train(model, data, args.batch, WORLD, Path(folder, "two"))
+        one = json.loads(Path(folder, "one", "rank0.json").read_text())
+        two = [json.loads(Path(folder, "two", f"rank{r}.json").read_text()) for r in range(WORLD)]
+    least = model_bytes * (WORLD - 1) / WORLD  # what a rank receives of one gather (or reduce-scatter) of all
+    print(
+        f"\nleast a rank receives per step: gathers 2 x {least / 1e9:.4f} GB, "
+        f"reduce-scatter {least / 1e9:.4f} GB"
+    )
+    print(f"{'run':<10} {'step s':>7} {'gathered GB':>12} {'/ least':>8} {'reduced GB':>11} {'/ least':>8} "
+          f"{'store GB':>9} {'/ one rank':>10}")  # fmt: skip
+    single = per_step(one, args.warmup)
+    print(f"{'one rank':<10} {single['step_s']:7.3f} {0:12.4f} {'-':>8} {0:11.4f} {'-':>8} "
+          f"{one['store_bytes'] / 1e9:9.4f} {1:10.3f}")  # fmt: skip
+    for rank, report in enumerate(two):
+        s = per_step(report, args.warmup)
+        print(
+            f"{f'rank {rank}':<10} {s['step_s']:7.3f} "
+            f"{s['gathered'] / 1e9:12.4f} {s['gathered'] / (2 * least):8.3f} "
+            f"{s['reduce_scattered'] / 1e9:11.4f} {s['reduce_scattered'] / least:8.3f} "
+            f"{report['store_bytes'] / 1e9:9.4f} {report['store_bytes'] / one['store_bytes']:10.3f}"
+        )
+    diffs = [abs(a - b) / abs(a) for a, b in zip(one["losses"], two[0]["losses"], strict=True)]
+    print(f"\nlosses, one rank:  {' '.join(f'{x:.6f}' for x in one['losses'])}")
+    print(
+        f"losses, {WORLD} ranks: {' '.join(f'{x:.6f}' for x in two[0]['losses'])}   "
+        f"max rel. diff {max(diffs):.2g}"
+    )
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
