@@ -68,6 +68,7 @@ from bench_engine import (  # noqa: E402
     block_bytes,
     build_model,
     close,
+    free_earlier_runs,
     make_batches,
     trainer_kwargs,
 )
@@ -369,6 +370,7 @@ def timed_run(
     (the last batch only closes the last timed step), as ``bench_engine`` does. With ``trace``, time the
     store's I/O."""
     print(f"  {label} ...", flush=True)
+    free_earlier_runs()
     timer = UsageTimer()
     trainer = L.Trainer(
         strategy=strategy, max_steps=len(batches), callbacks=[timer], **trainer_kwargs("cpu", "32-true")

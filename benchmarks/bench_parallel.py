@@ -28,7 +28,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from bench_engine import BenchModule, bench_config, block_bytes, build_model
+from bench_engine import BenchModule, bench_config, block_bytes, build_model, trainer_kwargs
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel
 
@@ -98,18 +98,9 @@ def train(
     strategy = (
         MegaTrainStrategy(start_method="fork", timeout=timedelta(minutes=5)) if ranks > 1 else "megatrain"
     )
+    quiet = {**trainer_kwargs("cpu", "32-true"), "devices": ranks}
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=ranks,
-        strategy=strategy,
-        max_steps=len(data) // (batch * ranks),
-        callbacks=[RankReport(out)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        strategy=strategy, max_steps=len(data) // (batch * ranks), callbacks=[RankReport(out)], **quiet
     )
     torch.manual_seed(1)
     trainer.fit(BenchModule(copy.deepcopy(model)), train_dataloaders=DataLoader(data, batch_size=batch))

@@ -58,8 +58,8 @@ def int_option(name: str, value: Any, least: int, auto: bool = False) -> int | s
 
 
 def io_option(threads: Any, chunk_mb: Any) -> IOConfig:
-    """``io_threads`` and ``io_chunk_mb`` (``None``: 16 MB on the disk tier, whole blocks on the host tier),
-    the chunk in whole pages (O_DIRECT moves page-aligned lengths)."""
+    """``io_threads`` and ``io_chunk_mb`` (``None``: 16 MB, the host tier's choice where it may use whole
+    blocks), the chunk in whole pages (O_DIRECT moves page-aligned lengths)."""
     int_option("io_threads", threads, least=1)
     if gb_option("io_chunk_mb", chunk_mb) is None:
         return IOConfig(threads=threads)

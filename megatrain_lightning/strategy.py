@@ -91,7 +91,7 @@ class MegaTrainStrategy(RankedStrategy):
         io_threads: disk tier: blocks read or written at once.
         io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
             pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size
-            (``None``: 16 on the disk tier; the host tier, all in RAM, works on whole blocks unless given).
+            (``None``: 16; the host tier, all in RAM, then works on whole blocks where it keeps no shadow).
         zero_copy: on the CPU with fp32 compute and the host tier, blocks compute on the store's weights
             themselves (no slots, nothing copied); ``False`` copies them into slots as on a GPU.
         start_method: how Lightning starts the ranks of one node with ``devices > 1``, as for DDP:

@@ -195,17 +195,19 @@ def test_gradient_sums_exist_from_a_backward_to_their_update(options, whole):
     assert run.trainer.strategy.stats.host_bytes >= store.nbytes("param", "exp_avg", "exp_avg_sq") + held
 
 
-def test_the_host_tier_updates_whole_blocks_unless_given_a_chunk():
+@pytest.mark.parametrize(
+    "chunk_mb, precision, whole",
+    [(None, "32-true", True), (4096 / 2**20, "32-true", False), (None, "bf16-mixed", False)],
+    ids=["fp32", "fp32-io_chunk_mb", "bf16-shadow"],
+)
+def test_the_host_tier_updates_whole_blocks_where_chunks_do_not_pay(chunk_mb, precision, whole):
     """All in RAM, a chunk bounds no memory and only cuts updates into more, smaller calls (bench_adamw:
-    0.92 of torch's fused step in 16 MB chunks, 0.98 whole); ``io_chunk_mb`` still cuts them."""
-    spans = []
-    for chunk_mb in (None, 4096 / 2**20):
-        store = fit(
-            tiny_model("llama"), MegaTrainStrategy(io_chunk_mb=chunk_mb), steps=1
-        ).trainer.strategy.engine.store
-        spans.append([len(store.spans(b)) for b in range(len(store.blocks))])
-    whole, chunked = spans
-    assert set(whole) == {1} and max(chunked) > 1
+    0.92 of torch's fused step in 16 MB chunks, 0.98 whole); ``io_chunk_mb`` still cuts them, and so does a
+    bf16 shadow, whose refresh reads each chunk the update just wrote while it is in cache."""
+    strategy = MegaTrainStrategy(io_chunk_mb=chunk_mb, zero_copy=precision == "32-true")
+    store = fit(tiny_model("llama"), strategy, steps=1, precision=precision).trainer.strategy.engine.store
+    assert (store.chunk_numel == max(b.numel for b in store.blocks)) == whole  # else the io chunk
+    assert store.has_shadow == (precision == "bf16-mixed")
 
 
 def test_a_block_is_never_fetched_before_its_update_finished(monkeypatch):

@@ -105,9 +105,18 @@ class EngineConfig:
             and self.offload_dir is None
         )
 
+    @property
+    def keeps_shadow(self) -> bool:
+        """Whether the host tier keeps a bf16 shadow of the weights for the device's slots (store/host.py)."""
+        narrow = self.compute_dtype != torch.float32 or self.mixed_precision
+        return self.offload_dir is None and not self.binds_store and narrow and self.shard is None
+
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
-            chunk = self.io.chunk_numel if self.io.host_chunks else max(b.numel for b in blocks)
+            # In chunks only where they pay: the shadow's refresh reads each chunk the update just wrote
+            # while it is in cache; otherwise a chunk only cuts an update into more, smaller calls.
+            chunked = self.io.host_chunks or self.keeps_shadow
+            chunk = self.io.chunk_numel if chunked else max(b.numel for b in blocks)
             if self.shard is not None:
                 return ShardedHostStore(self.shard, blocks, stats, chunk)
             return HostStore(blocks, self.pin_memory, stats, chunk)
@@ -205,8 +214,7 @@ class Engine:
         if config.shard is not None:
             return GatheredViews(self.store, self.stats, layout)
         # Slots on the host tier copy the bf16 runs rounded already (the disk tier's convert the fp32 read).
-        slotted_host = config.offload_dir is None and not config.binds_store
-        self.store.define_shadow(layout.shadow_runs if slotted_host else None)
+        self.store.define_shadow(layout.shadow_runs if config.keeps_shadow else None)
         if config.binds_store:
             return HostViews(self.store, self.stats)
         pools = slot_pools(layout.block_bytes) if config.slot_pools is None else config.slot_pools

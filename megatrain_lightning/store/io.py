@@ -32,8 +32,8 @@ class IOConfig:
     chunk_bytes: int = 16 << 20  # the store's chunk of a block (in fp32 bytes), and per preadv/pwritev call
     threads: int = 4  # blocks in flight at once (the queue depth, in blocks)
     direct: bool = True  # O_DIRECT where the filesystem allows it
-    # The host tier's blocks in chunks too (``io_chunk_mb`` given); else it works on whole blocks: with
-    # every buffer in RAM a chunk bounds no memory and only cuts an update into more, smaller calls.
+    # The host tier's blocks in chunks too (``io_chunk_mb`` given); else only where it keeps a bf16 shadow
+    # (engine/runtime.py, ``EngineConfig.make_store``): with every buffer in RAM a chunk bounds no memory.
     host_chunks: bool = False
 
     @property
