@@ -280,12 +280,12 @@ def _megatrain_row(
     cd = DTYPE_BYTES[workload.compute_dtype]
     store = ((MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n) / ranks  # the rank's shard
     # The host tier's weights in the compute dtype (a sharded store keeps none: it gathers fp32).
-    narrow = shape.shadow_numel(cd) if ranks == 1 else 0
-    shadow = narrow * cd
+    shadowed = shape.shadow_numel(cd) if ranks == 1 else 0
+    shadow = shadowed * cd
     staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
     budget = max(vram - act, 0.0)
     pools = slot_pools(block_bytes, budget)
-    num_slots, slots = sum(n for _, n in pools), sum(size * n for size, n in pools)
+    num_slots, slots = sum(count for _, count in pools), sum(size * count for size, count in pools)
     gpu_need = sum(sorted(block_bytes, reverse=True)[:OVERLAP]) + act
     if store + shadow + staging <= ram:
         tier, cache, host_need, disk_need = "host", store + shadow, store + shadow + staging, 0.0
@@ -300,7 +300,7 @@ def _megatrain_row(
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch:
     # from the host tier's shadow in the compute dtype, from the disk tier in fp32 (its slots convert). Data
     # parallel: a rank's shard of each, twice per micro-batch (gathered, never kept), and its gradients'.
-    narrow = narrow if tier == "host" else 0
+    narrow = shadowed if tier == "host" else 0
     fetch_bytes = narrow * cd + (n - narrow) * MASTER_BYTES
     fetches = 1 if num_slots >= shape.num_blocks and ranks == 1 else 2 * micro
     link_s = (fetches * fetch_bytes + micro * GRAD_BYTES * n) / ranks / (machine.pcie_gbps * GB)

@@ -254,8 +254,7 @@ class HostStore:
     def discard(self, block: int, kind: str, span: tuple[int, int] | None = None) -> None:
         """The contents of ``kind`` (of the chunk ``span``) are no longer needed (a consumed gradient). A
         gradient buffer goes back to the pool with its block's last chunk (callers discard in order)."""
-        spans = self.spans(block)
-        if kind not in POOLED_KINDS or (span is not None and spans and span[1] < spans[-1][1]):
+        if kind not in POOLED_KINDS or (span is not None and span[1] < self.spans(block)[-1][1]):
             return
         with self._lock:
             buf = self._buffers.pop((block, kind), None)
