@@ -27,7 +27,7 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.planner.plan import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, plan_for
 from megatrain_lightning.planner.table import format_plan
-from megatrain_lightning.serialization.checkpoint import CheckpointError
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointError
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.single_file import convert_checkpoint
 from megatrain_lightning.telemetry.monitor import with_progress_bar

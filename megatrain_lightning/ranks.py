@@ -152,9 +152,8 @@ class RankedStrategy(ParallelStrategy):
         refusals = self.data_parallel_refusals()
         if refusals:
             raise MisconfigurationException(
-                f"megatrain trains on {self.num_nodes * self.num_processes} devices on the CPU with fp32 "
-                f"optimizer state only so far; this run asks for {'; '.join(refusals)}. Or set "
-                "`Trainer(devices=1, num_nodes=1)`."
+                f"megatrain trains on {self.num_nodes * self.num_processes} devices on the CPU only so far; "
+                f"this run asks for {'; '.join(refusals)}. Or set `Trainer(devices=1, num_nodes=1)`."
             )
         assert self.cluster_environment is not None
         if self._start_method == "popen":

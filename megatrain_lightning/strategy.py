@@ -31,8 +31,10 @@ from megatrain_lightning.optim.sharded import ShardedCPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.ranks import RankedStrategy, StartMethod
 from megatrain_lightning.serialization import checkpoint as checkpointing
+from megatrain_lightning.serialization import ranked as ranked_checkpoint
 from megatrain_lightning.serialization.initialization import InitRecorder
 from megatrain_lightning.serialization.meta import init_on_meta
+from megatrain_lightning.serialization.publish import recover
 from megatrain_lightning.store import sizing
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.layout import Block
@@ -167,8 +169,6 @@ class MegaTrainStrategy(RankedStrategy):
         refusals = []
         if self.root_device.type != "cpu":
             refusals.append(f"accelerator {self.root_device.type!r} (use accelerator='cpu', gloo)")
-        if self.optimizer_compression != "none":
-            refusals.append("compressed optimizer state (use optimizer_compression='none')")
         return refusals
 
     @override
@@ -375,8 +375,8 @@ class MegaTrainStrategy(RankedStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """A checkpoint directory at ``filepath`` (:mod:`megatrain_lightning.serialization.checkpoint`). Data
-        parallel: every rank takes part in gathering the blocks, rank 0 writes them (a checkpoint of the
-        whole model, which any number of ranks can load)."""
+        parallel: every rank writes its share of the blocks, rank 0 the rest and, after all, the manifest
+        (:mod:`megatrain_lightning.serialization.ranked`); any number of ranks can load it."""
         engine = self.engine
         assert engine is not None
         engine.wait_all()
@@ -387,13 +387,13 @@ class MegaTrainStrategy(RankedStrategy):
         if not self._checkpoint_size_logged:
             self._checkpoint_size_logged = True
             checkpointing.announce_size(os.fspath(filepath), engine, optimizer)
-        write = self.is_global_zero
-        checkpointing.save(os.fspath(filepath), engine, self.lightning_module, state, optimizer, write=write)
+        save = ranked_checkpoint.save if engine.config.shard is not None else checkpointing.save
+        save(os.fspath(filepath), engine, self.lightning_module, state, optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.is_global_zero:  # a save killed mid-replace left the previous one aside: one rank restores it
-            checkpointing.recover(checkpoint_path)
+            recover(checkpoint_path)
         self.barrier()
         if not os.path.isdir(checkpoint_path):  # a directory is ours: ``verify`` says what it lacks
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -229,11 +229,6 @@ CASES = [
     ),
     # devices and precision
     Case(
-        "devices=2 with compressed optimizer state",
-        "compressed optimizer state",
-        lambda t, f: lambda: _fit(t, strategy=MegaTrainStrategy(optimizer_compression="int8"), devices=2),
-    ),
-    Case(
         "precision='64-true'",
         "megatrain supports precision",
         lambda t, f: lambda: _fit(t, precision="64-true"),

@@ -22,12 +22,8 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.presets import tiny_config
-from megatrain_lightning.serialization.checkpoint import (
-    CheckpointDir,
-    CheckpointError,
-    is_checkpoint_dir,
-    optimizer_block,
-)
+from megatrain_lightning.serialization.checkpoint import optimizer_block
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError, is_checkpoint_dir
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.hf import from_pretrained
 from megatrain_lightning.serialization.safetensors_io import SafetensorsError, ShardWriter, sha256_file

@@ -18,9 +18,16 @@ from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trai
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning import MegaTrainStrategy, export_hf
+from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.chaos import enabled
+from megatrain_lightning.optim.state_dict import block_state
+from megatrain_lightning.serialization.checkpoint import optimizer_block
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir
+from megatrain_lightning.serialization.single_file import to_lightning
 
 BATCH = 2  # per rank; the single-rank reference trains on 2 * BATCH rows per micro-batch
 # Two ranks' half-batch gradients summed are not bitwise the whole batch's, and Adam's first steps turn
@@ -144,8 +151,23 @@ class RankProbe(L.Callback):
             "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
             "traffic": self.traffic,
             "grad_norms": getattr(pl_module, "grad_norms", None),
+            "optimizer_blocks": _optimizer_blocks(trainer),  # gathered from every rank's share
         }
         torch.save(report, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _optimizer_blocks(trainer: L.Trainer) -> list[dict[str, torch.Tensor]]:
+    """A copy of every block's optimizer state as the store holds it (compressed where it is)."""
+    optimizer = trainer.strategy.engine.optimizer
+    blocks = [block_state(optimizer, b) for b in range(len(optimizer.store.blocks))]
+    return [{kind: state.clone() for kind, state in block.items()} for block in blocks]
+
+
+class OptimizerProbe(L.Callback):
+    """The optimizer state a run starts from (after a checkpoint was loaded)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.blocks = _optimizer_blocks(trainer)
 
 
 def _two_ranks(**options: Any) -> MegaTrainStrategy:
@@ -166,12 +188,17 @@ def _order(n: int, epoch: int) -> list[int]:
 
 
 def _plain_fit(
-    model: torch.nn.Module, steps: int, module_cls: type[UserLM] = SyncedLM, **trainer_kwargs: Any
+    model: torch.nn.Module,
+    steps: int,
+    module_cls: type[UserLM] = SyncedLM,
+    strategy: Any = "auto",
+    **trainer_kwargs: Any,
 ) -> Run:
-    """The reference: plain Lightning, one process, ``2 * BATCH`` rows per micro-batch: those the two ranks
-    see together (Lightning's ``DistributedSampler`` shuffles training data: in :func:`_order`)."""
+    """The reference: plain Lightning (or ``strategy``), one process, ``2 * BATCH`` rows per micro-batch:
+    those the two ranks see together (Lightning's ``DistributedSampler`` shuffles training data: in
+    :func:`_order`)."""
     module, recorder = module_cls(copy.deepcopy(model), lr=LR), LossRecorder()
-    trainer = quiet_trainer("auto", steps, [recorder], **trainer_kwargs)
+    trainer = quiet_trainer(strategy, steps, [recorder], **trainer_kwargs)
     rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
     torch.manual_seed(1)
     ordered = [rows[i] for i in _order(len(rows), 0)]
@@ -186,13 +213,20 @@ def _dp_fit(
     module_cls: type[UserLM] = SyncedLM,
     validate: bool = False,
     strategy_kwargs: dict[str, Any] | None = None,
+    save_to: Path | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[Run, list[dict[str, Any]]]:
-    """megatrain on two forked ranks, ``BATCH`` rows each (Lightning's ``DistributedSampler`` splits them).
-    The launcher loads rank 0's final weights into this process's module."""
+    """megatrain on two forked ranks, ``BATCH`` rows each (Lightning's ``DistributedSampler`` splits them),
+    checkpointing into ``save_to`` if given. The launcher loads rank 0's final weights into this process's
+    module."""
     module = module_cls(copy.deepcopy(model), lr=LR)
     strategy = _two_ranks(**(strategy_kwargs or {}))
-    trainer = quiet_trainer(strategy, steps, [RankProbe(out)], devices=2, **trainer_kwargs)
+    callbacks: list[L.Callback] = [RankProbe(out)]
+    if save_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, save_last=True))
+    trainer = quiet_trainer(
+        strategy, steps, callbacks, devices=2, enable_checkpointing=save_to is not None, **trainer_kwargs
+    )
     rows = _rows(steps * trainer_kwargs.get("accumulate_grad_batches", 1))
     torch.manual_seed(1)
     val = DataLoader(_rows(1), batch_size=BATCH) if validate else None
@@ -233,11 +267,21 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
 
 
 def test_the_disk_tier_keeps_each_ranks_shard_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    """... and each rank saves its share from there: the checkpoint is the trained model, bitwise."""
     model, offload = tiny_model("llama"), tmp_path / "offload"
     options = dict(gradient_clip_val=0.5, accumulate_grad_batches=2)
     plain = _plain_fit(model, 2, **options)
-    paged, reports = _dp_fit(model, tmp_path, 2, strategy_kwargs=dict(offload_dir=offload), **options)
+    paged, reports = _dp_fit(
+        model, tmp_path, 2, strategy_kwargs=dict(offload_dir=offload), save_to=tmp_path / "ckpts", **options
+    )
     assert_same_training(plain, paged)
+    saved = to_lightning(tmp_path / "ckpts" / "last.ckpt")
+    assert saved["global_step"] == 2
+    assert all(torch.equal(saved["state_dict"][name], value) for name, value in paged.state_dict().items())
+    moments = saved["optimizer_states"][0]["state"]  # each rank's pieces of every block's m and v, as one
+    assert [moments[i]["exp_avg"].shape for i in sorted(moments)] == [
+        p.shape for p in paged.module.parameters()
+    ]
     assert [r["store_dir"] for r in reports] == [
         str(offload / f"rank{r}" / "megatrain_store") for r in (0, 1)
     ]
@@ -274,13 +318,19 @@ def _epoch_fit(
 
 
 def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_one(tmp_path: Path) -> None:
-    """Rank 0 writes the whole model (every rank gathers with it). After a rank was killed, two ranks
-    resume from the last checkpoint bitwise as the run that was not interrupted; one rank resumes from it
-    as one rank trains (and two ranks from one rank's)."""
+    """Each rank writes its share of every block. After a rank was killed, two ranks resume from the last
+    checkpoint bitwise as the run that was not interrupted; one rank resumes from it as one rank trains
+    (and two ranks from one rank's); its export is the model one rank trains."""
     model = tiny_model("llama")
     whole = _epoch_fit(model, tmp_path, 2, epochs=2)
     with pytest.raises(Exception, match="SIGKILL"):
         _epoch_fit(model, tmp_path, 2, epochs=2, save_to=tmp_path / "two", module_cls=KilledInEpoch2)
+    saved = CheckpointDir.verify(tmp_path / "two" / "last.ckpt")
+    blocks = len(saved.manifest["blocks"])
+    for kind in ("model", "optimizer"):
+        assert sorted(name for name in saved.manifest["files"] if name.startswith(f"{kind}/block-")) == [
+            f"{kind}/block-{b:05d}-rank-{r:05d}-of-00002.safetensors" for b in range(blocks) for r in (0, 1)
+        ]
     resumed = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
     assert resumed.losses == whole.losses[2:]
     expected, actual = whole.state_dict(), resumed.state_dict()
@@ -290,6 +340,93 @@ def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_o
     _epoch_fit(model, tmp_path, 1, epochs=1, save_to=tmp_path / "one")
     on_two = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "one" / "last.ckpt")
     assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_two)
+    export_hf(str(tmp_path / "two" / "last.ckpt"), str(tmp_path / "hf_two"))
+    export_hf(str(tmp_path / "one" / "last.ckpt"), str(tmp_path / "hf_one"))
+    two, one = (load_file(tmp_path / f"hf_{n}" / "model.safetensors") for n in ("two", "one"))
+    assert two.keys() == one.keys() and len(one) == len(model.state_dict())
+    assert all((two[name] - one[name]).abs().max() <= 1e-6 for name in one)
+
+
+class SaveRecorder(MegaTrainStrategy):
+    """Saves what each rank was told when its save failed; rank 0, where the failure is, then waits a little
+    (the launcher reports the first rank that ends and stops the others)."""
+
+    out: Path
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().save_checkpoint(*args, **kwargs)
+        except Exception as err:
+            (self.out / f"error{self.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
+            if self.global_rank == 0:
+                time.sleep(2)
+            raise
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_publishes_nothing(tmp_path: Path) -> None:
+    """Rank 0 runs out of space after both ranks wrote their blocks' files: rank 1 is told which rank failed
+    and why, within the collective's timeout, and neither a checkpoint nor a partial copy stays."""
+    model = tiny_model("llama")
+    module = SyncedLM(copy.deepcopy(model), lr=LR)
+    blocks = len(discover_blocks(module))  # each rank writes two files per block, then rank 0 the rest
+    strategy = SaveRecorder(start_method="fork", timeout=timedelta(minutes=1))
+    strategy.out, save_to = tmp_path, tmp_path / "ckpts"
+    callbacks = [ModelCheckpoint(dirpath=save_to, save_last=True)]
+    trainer = quiet_trainer(strategy, 2, callbacks, devices=2, enable_checkpointing=True)
+    start = time.monotonic()
+    with enabled(f"fail=ckpt.write:{2 * blocks + 1}:ENOSPC"), pytest.raises(Exception, match="No space"):
+        trainer.fit(module, train_dataloaders=DataLoader(_rows(2), batch_size=BATCH))
+    assert time.monotonic() - start < 60
+    assert (
+        (tmp_path / "error0.txt").read_text().startswith("CheckpointIOError: [Errno 28] megatrain: writing")
+    )
+    told = (tmp_path / "error1.txt").read_text()
+    assert "CheckpointIOError" in told and "rank 0 failed" in told and "No space" in told
+    assert not save_to.exists() or not any(save_to.iterdir())
+
+
+# Two ranks' gradients are the whole batch's within rounding, and near a code boundary that rounding picks
+# the neighbouring code: with int4's 16 levels that moves a weight by a few percent of one step's update.
+@pytest.mark.parametrize(
+    ("compression", "param_atol", "tier"),
+    [("int8", 1e-6, "host"), ("int4", 1e-5, "host"), ("int8", 1e-6, "disk")],
+)
+def test_compressed_optimizer_state_is_sharded_and_checkpointed_by_rank_too(
+    compression: str, param_atol: float, tier: str, tmp_path: Path
+) -> None:
+    """Each rank holds and updates its share of the codes and scales too (a share starts on a quantization
+    block's boundary): two ranks train as one rank with the same compression and the doubled batch, each
+    holding about half of its store; the ranks' checkpoint files hold the state bit for bit, and one
+    rank resumes from them with it."""
+    model, options = tiny_model("llama"), dict(gradient_clip_val=0.5)
+    one = _plain_fit(model, 3, strategy=MegaTrainStrategy(optimizer_compression=compression), **options)
+    two, reports = _dp_fit(
+        model,
+        tmp_path,
+        3,
+        strategy_kwargs=dict(
+            optimizer_compression=compression, offload_dir=tmp_path / "offload" if tier == "disk" else None
+        ),
+        save_to=tmp_path / "ckpts",
+        **options,
+    )
+    assert_same_training(one, two, param_atol=param_atol)
+    whole = one.trainer.strategy.engine.store.nbytes()
+    assert all(r["store_bytes"] <= 0.55 * whole for r in reports)
+    gathered = reports[0]["optimizer_blocks"]
+    assert any("m_codes" in block for block in gathered)
+    entries = CheckpointDir.verify(tmp_path / "ckpts" / "last.ckpt").optimizer().entries
+    for b, state in enumerate(gathered):
+        saved = optimizer_block(entries, b)
+        assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+    probe = OptimizerProbe()
+    resumed = quiet_trainer(MegaTrainStrategy(optimizer_compression=compression), 4, [probe])
+    module = SyncedLM(copy.deepcopy(model), lr=LR)
+    resumed.fit(
+        module, DataLoader(_rows(4), batch_size=2 * BATCH), ckpt_path=tmp_path / "ckpts" / "last.ckpt"
+    )
+    for state, loaded in zip(gathered, probe.blocks, strict=True):
+        assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
 def test_each_rank_holds_half_the_store_and_moves_the_least(tmp_path: Path) -> None:
@@ -321,9 +458,10 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
     assert time.monotonic() - start < 60
 
 
-def test_unsupported_combinations_are_refused_before_training(tmp_path: Path) -> None:
-    with pytest.raises(MisconfigurationException, match="compressed optimizer state"):
-        quiet_trainer(MegaTrainStrategy(optimizer_compression="int8"), 1, [], devices=2)
+def test_data_parallel_on_gpus_is_refused_before_training() -> None:
+    strategy = MegaTrainStrategy(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
+    with pytest.raises(MisconfigurationException, match="on the CPU only so far.*accelerator 'cuda'"):
+        strategy._configure_launcher()
 
 
 def _read_span_on_rank(rank: int, port: str, results: Any) -> None:

@@ -19,7 +19,7 @@ from megatrain_lightning.engine import grads as grads_module
 from megatrain_lightning.engine import runtime as engine_module
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.serialization.checkpoint import CheckpointDir
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.memory import pages
 from megatrain_lightning.telemetry.stats import EngineStats

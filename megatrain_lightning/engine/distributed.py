@@ -2,7 +2,8 @@
 
 A block's flat buffers (weights, gradient sums, Adam moments) are cut into ``world`` equal shards, each
 padded to whole ``ALIGN``s; rank ``r`` owns block elements ``[r * size, (r + 1) * size)`` and its store
-holds only that shard, so adding ranks divides the store. The pieces keep the single-rank interfaces:
+holds only that shard (and of compressed moments the codes and scales those elements own: a share starts
+on a quantization block's boundary), so adding ranks divides the store. The pieces keep the single-rank interfaces:
 
 - :class:`ShardedHostStore`, :class:`ShardedDiskStore` (the disk tier, in a folder per rank): ``spans`` are
   the rank's own chunks, so everything that works chunk by chunk (gradient sums, the optimizer's update,
@@ -75,9 +76,11 @@ class _ShardedStore:
     stats: EngineStats
 
     def layout(self, block: int, kind: str) -> tuple[torch.dtype, int]:
-        """Every kind in the block's layout (compressed moments, laid out otherwise, are refused before)."""
-        dtype, _ = super().layout(block, kind)
-        return dtype, self.shard.size(self.blocks[block])
+        """``kind``'s dtype and the elements of it this rank's share of ``block`` owns (for compressed
+        moments, their codes and scales: a share starts on a quantization block's boundary)."""
+        dtype, _ = self.block_layout(block, kind)
+        start, stop = self.block_kind_span(block, kind, self._share(block))
+        return dtype, stop - start
 
     def spans(self, block: int) -> list[tuple[int, int]]:
         """This rank's chunks of ``block`` (none when it owns nothing of a small block)."""
@@ -85,16 +88,22 @@ class _ShardedStore:
         return [(lo + a, lo + b) for a, b in chunk_spans(hi - lo, self.chunk_numel)] if hi > lo else []
 
     def kind_span(self, block: int, kind: str, span: tuple[int, int] | None) -> tuple[int, int]:
-        size = self.shard.size(self.blocks[block])
         if span is None:
-            return 0, size
-        base = self.shard.rank * size
-        start, stop = span[0] - base, span[1] - base
-        if not 0 <= start <= stop <= size:
+            return 0, self.layout(block, kind)[1]
+        share = self._share(block)
+        if not share[0] <= span[0] <= span[1] <= share[1]:
             raise RuntimeError(
                 f"megatrain: elements {span} of block {block} are not on rank {self.shard.rank}"
             )
-        return start, stop
+        base = self.block_kind_span(block, kind, (share[0], share[0]))[0]
+        start, stop = self.block_kind_span(block, kind, span)
+        return start - base, stop - base
+
+    def _share(self, block: int, rank: int | None = None) -> tuple[int, int]:
+        """The elements of ``block`` that a rank (this one by default) holds, its padding included."""
+        size = self.shard.size(self.blocks[block])
+        rank = self.shard.rank if rank is None else rank
+        return rank * size, (rank + 1) * size
 
     @contextlib.contextmanager
     def pinned(
@@ -115,11 +124,19 @@ class _ShardedStore:
     def read(self, block: int, kind: str) -> Tensor:
         """The whole block's ``kind``, gathered from every rank's shard (a fresh buffer; collective)."""
         self.wait_for_change(block)
-        return self._gather_ranks(block, kind)[: self.blocks[block].numel]
+        return self._gather_ranks(block, kind)[: self.block_layout(block, kind)[1]]
 
     @contextlib.contextmanager
-    def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
-        """``pinned(write=True)`` for a change made in this thread (adopting or loading weights)."""
+    def rewriting(
+        self, block: int, kind: str = "param", span: tuple[int, int] | None = None
+    ) -> Iterator[Tensor]:
+        """``pinned(write=True)`` for a change made in this thread: of the own elements ``span``, on this
+        rank alone (loading its share of a checkpoint), or of the whole block (collective: adopting
+        weights)."""
+        if span is not None:
+            with super().rewriting(block, kind, span) as own:
+                yield own
+            return
         self.wait_for_change(block)
         self.will_change(block)
         with self._whole_block(block, kind) as full:
@@ -131,12 +148,13 @@ class _ShardedStore:
         """The whole block to change in place (collective): it starts as gathered; what rank 0 leaves in
         it becomes every rank's, each keeping its shard (the ranks' models might differ, rank 0's wins)."""
         full = self._gather_ranks(block, kind)
-        yield full[: self.blocks[block].numel]
+        yield full[: self.block_layout(block, kind)[1]]
         dist.broadcast(full, src=0)
         lo, hi = self.shard.owned(self.blocks[block])
         if hi > lo:
+            start, stop = self.block_kind_span(block, kind, (lo, hi))
             with super().pinned(block, kind, write=True, span=(lo, hi)) as own:
-                own.copy_(full[lo:hi])
+                own.copy_(full[start:stop])
 
     def read_span(self, block: int, kind: str, span: tuple[int, int]) -> Tensor:
         """Block elements ``span`` of ``kind``, summed from the ranks' own parts and zeros elsewhere
@@ -155,17 +173,25 @@ class _ShardedStore:
         return part
 
     def _gather_ranks(self, block: int, kind: str) -> Tensor:
-        """Every rank's shard of ``block``'s ``kind`` in rank order, padding included."""
-        dtype, size = self.layout(block, kind)
+        """Every rank's share of ``block``'s ``kind`` in rank order, the weights' padding included (shares
+        of compressed moments differ in size: each is sent padded to the largest)."""
+        dtype, _ = self.block_layout(block, kind)
+        sizes = [self._kind_size(block, kind, rank) for rank in range(self.shard.world)]
         lo, hi = self.shard.owned(self.blocks[block])
-        mine = torch.zeros(size, dtype=dtype)
+        mine = torch.zeros(max(sizes), dtype=dtype)
         if hi > lo:
             with super().pinned(block, kind, span=(lo, hi)) as own:
-                mine[: hi - lo] = own
-        full = torch.empty(size * self.shard.world, dtype=dtype)
+                mine[: own.numel()] = own
+        full = torch.empty(max(sizes) * self.shard.world, dtype=dtype)
         _all_gather(full, mine)
         self.stats.add(gathered_bytes=full.nbytes - mine.nbytes)
-        return full
+        if len(set(sizes)) == 1:
+            return full
+        return torch.cat([full[r * max(sizes) : r * max(sizes) + size] for r, size in enumerate(sizes)])
+
+    def _kind_size(self, block: int, kind: str, rank: int) -> int:
+        start, stop = self.block_kind_span(block, kind, self._share(block, rank))
+        return stop - start
 
 
 class ShardedHostStore(_ShardedStore, HostStore):

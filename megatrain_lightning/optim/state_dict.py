@@ -31,17 +31,22 @@ def block_state(optimizer: CPUAdamW, block: int) -> dict[str, Tensor]:
     return state
 
 
-def load_block_state(optimizer: CPUAdamW, block: int, tensors: dict[str, Tensor]) -> None:
+def load_block_state(
+    optimizer: CPUAdamW, block: int, tensors: dict[str, Tensor], span: tuple[int, int] | None = None
+) -> None:
+    """``block``'s state from ``tensors``: of the whole block, or of its elements ``span`` (one rank's
+    share of a data-parallel store, which may be empty)."""
     optimizer.wait(block)
-    for kind in optimizer.state_kinds:
-        with optimizer.store.pinned(block, kind, write=True) as flat:
-            if tensors[kind].shape != flat.shape or tensors[kind].dtype != flat.dtype:
-                raise ValueError(
-                    f"megatrain: saved optimizer state {kind!r} of block {block} has another layout"
-                )
-            flat.copy_(tensors[kind])
+    if span is None or span[0] < span[1]:
+        for kind in optimizer.state_kinds:
+            with optimizer.store.pinned(block, kind, write=True, span=span) as flat:
+                if tensors[kind].shape != flat.shape or tensors[kind].dtype != flat.dtype:
+                    raise ValueError(
+                        f"megatrain: saved optimizer state {kind!r} of block {block} has another layout"
+                    )
+                flat.copy_(tensors[kind])
+        optimizer.store.written(block, optimizer.state_kinds, span)
     optimizer.steps[block] = tensors["step"].tolist()
-    optimizer.store.written(block, optimizer.state_kinds)
 
 
 def load_param_groups(optimizer: CPUAdamW, groups: list[dict[str, Any]]) -> None:

@@ -11,6 +11,10 @@ Layout of ``<name>.ckpt/``::
     model/config.json                  the Hugging Face config, for ``export_hf``
     optimizer/block-NNNNN.safetensors  the optimizer's per-block state (compressed when it is)
 
+Data parallel, each rank writes its share of every block (:mod:`.ranked`) to
+``{model,optimizer}/block-NNNNN-rank-RRRRR-of-WWWWW.safetensors``, each tensor's piece named
+``<name>@<first element>`` (a flat range of it); :class:`.checkpoint_dir.CheckpointDir` puts them together.
+
 Everything is written under ``<name>.ckpt.tmp-<pid>`` and renamed into place once complete, so
 a crash leaves the previous checkpoint intact and nothing that looks complete but is not (a crash
 between the two renames that replace a checkpoint leaves the previous one at ``<name>.ckpt.old-<pid>``:
@@ -21,50 +25,41 @@ into a standard single-file Lightning checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
-from megatrain_lightning.serialization.hf import WeightFiles, hf_model
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
+from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.serialization.publish import (
-    FORMAT,
-    LIGHTNING_STATE,
-    MANIFEST,
     CheckpointIOError,
     CheckpointWriter,
     io_failure,
-    recover,
 )
 from megatrain_lightning.serialization.safetensors_io import (
-    SafetensorsError,
-    TensorEntry,
-    read_header,
-    read_into,
+    read_elements,
     read_tensor,
-    sha256_file,
 )
 from megatrain_lightning.store.io import StoreIOError
-from megatrain_lightning.store.layout import Block, chunk_spans
+from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.preflight import (
     free_disk_bytes,
     missing_dirs,
     with_margin,
 )
+
+if TYPE_CHECKING:
+    from megatrain_lightning.engine.distributed import Shard
 
 README = """This directory is a megatrain checkpoint: resume it with `Trainer(strategy="megatrain")` and
 `fit(ckpt_path=<this directory>)`. `torch.load` and `LightningModule.load_from_checkpoint` need a file:
@@ -73,16 +68,8 @@ or convert it once to a standard single-file checkpoint:  megatrain convert <thi
 """
 
 
-class CheckpointError(MisconfigurationException):
-    """A checkpoint is incomplete, corrupt or for another model; nothing was loaded."""
-
-
 SCHEDULE_KEY = "megatrain_schedule"  # the engine's traces and update cadence (``Engine.schedule_state``)
 MEGATRAIN_KEYS = ("megatrain_rng", "megatrain_cuda_rng", SCHEDULE_KEY)  # read back by megatrain only
-
-
-def is_checkpoint_dir(path: str | os.PathLike) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
@@ -94,113 +81,46 @@ def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
     return buffers
 
 
-@dataclass(frozen=True)
-class CheckpointDir:
-    path: str
-    manifest: dict[str, Any]
-
-    @classmethod
-    def verify(cls, path: str | os.PathLike) -> CheckpointDir:
-        """Open a checkpoint after checking every file's size and checksum."""
-        path = os.fspath(path)
-        recover(path)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"{path} is not a megatrain checkpoint directory.")
-        try:
-            with open(os.path.join(path, MANIFEST)) as f:
-                manifest = json.load(f)
-        except OSError as err:
-            if err.errno != errno.ENOENT:
-                raise io_failure(err, path, writing=False) from err
-            raise CheckpointError(
-                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
-            ) from err
-        except json.JSONDecodeError as err:
-            raise CheckpointError(
-                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
-            ) from err
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{path}/{MANIFEST} does not describe a megatrain checkpoint.")
-        for relpath, info in manifest["files"].items():
-            file = os.path.join(path, relpath)
-            if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
-                raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
-            try:
-                point("ckpt.read", file)
-                digest = sha256_file(file)
-            except OSError as err:
-                raise io_failure(err, path, writing=False) from err
-            if digest != info["sha256"]:
-                raise CheckpointError(
-                    f"{file} does not match its checksum (corrupt); the checkpoint cannot be loaded."
-                )
-        return cls(path, manifest)
-
-    def weights(self) -> WeightFiles:
-        return self._shards("model/block-")
-
-    def optimizer(self) -> WeightFiles:
-        return self._shards("optimizer/block-")
-
-    def buffers(self) -> WeightFiles:
-        return WeightFiles(self.path, read_header(os.path.join(self.path, "model", "buffers.safetensors")))
-
-    def hf_config(self) -> str:
-        if "model/config.json" not in self.manifest["files"]:
-            raise CheckpointError(f"{self.path} holds no Hugging Face model, so it cannot be exported.")
-        with open(os.path.join(self.path, "model", "config.json")) as f:
-            return f.read()
-
-    def lightning_state(self) -> dict[str, Any]:
-        return torch.load(os.path.join(self.path, LIGHTNING_STATE), weights_only=True, map_location="cpu")
-
-    def _shards(self, prefix: str) -> WeightFiles:
-        entries = {}
-        for relpath in sorted(self.manifest["files"]):
-            if relpath.startswith(prefix):
-                try:
-                    entries.update(read_header(os.path.join(self.path, relpath)))
-                except SafetensorsError as err:
-                    raise CheckpointError(str(err)) from err
-        return WeightFiles(self.path, entries)
+def _block_file(kind: str, block: int, shard: Shard | None = None) -> str:
+    if shard is None:
+        return f"{kind}/block-{block:05d}.safetensors"
+    return f"{kind}/block-{block:05d}-rank-{shard.rank:05d}-of-{shard.world:05d}.safetensors"
 
 
-def _block_file(kind: str, block: int) -> str:
-    return f"{kind}/block-{block:05d}.safetensors"
-
-
-def save(
-    path: str,
-    engine: Any,
-    module: nn.Module,
-    lightning_state: dict[str, Any],
-    optimizer: Any,
-    write: bool = True,
-) -> None:
+def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
     """Write a checkpoint directory, one block in memory at a time; on a failed write the partial copy is
-    removed and the previous checkpoint stays. ``write=False``: read what a save reads and write nothing
-    (data parallel: the other ranks join the gathers of rank 0's save)."""
-    if not write:
-        _write(_Discard(), engine, module, lightning_state, optimizer)
-        return
+    removed and the previous checkpoint stays (data parallel: :mod:`.ranked`)."""
     check_free_space(path, checkpoint_bytes(engine, optimizer))
     writer = CheckpointWriter(path)
     try:
-        _write(writer, engine, module, lightning_state, optimizer)
+        write_share(writer, engine, optimizer)
+        write_rest(writer, engine, module, lightning_state, optimizer)
+        writer.publish()
     except OSError as err:
         shutil.rmtree(writer.tmp, ignore_errors=True)
-        if isinstance(err, StoreIOError):  # the store's own error names its file and what to do
-            raise
-        raise io_failure(err, writer.path, writing=True) from err
+        raise_write_failure(err, writer.path)
 
 
-def _write(
+def raise_write_failure(err: OSError, path: str) -> NoReturn:
+    """Raise a failed write's error: ours, and the store's, already name the file and what to do; any other
+    is said to be the checkpoint's."""
+    if isinstance(err, (StoreIOError, CheckpointIOError)):
+        raise err
+    raise io_failure(err, path, writing=True) from err
+
+
+def write_share(writer: CheckpointWriter, engine: Any, optimizer: Any) -> None:
+    """This rank's share of every block's weights and optimizer state (one rank: all of them)."""
+    for block in engine.blocks:
+        _write_weights(writer, engine.store, block, engine.config.shard)
+        if optimizer is not None:
+            _write_optimizer_state(writer, optimizer, block, engine.config.shard)
+
+
+def write_rest(
     writer: CheckpointWriter, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any
 ) -> None:
-    for block in engine.blocks:
-        _write_weights(writer, engine.store, block)
-        if optimizer is not None:
-            _write_optimizer_state(writer, optimizer, block)
+    """Everything but the blocks' files and the manifest (one rank writes it)."""
     writer.shard("model/buffers.safetensors", persistent_buffers(module))
     found = hf_model(module)
     if found is not None:
@@ -225,68 +145,64 @@ def _write(
         }
     writer.text("README.txt", README)
     writer.lightning_state(lightning_state)
-    writer.publish()
 
 
-def _write_weights(writer: CheckpointWriter, store: Any, block: Block) -> None:
-    """``block``'s parameters, read a store chunk at a time (a block of a 7B model is 0.8 GB in fp32)."""
-    params = sorted(block.params, key=lambda p: p.offset)
-    declared = [(p.name, torch.float32, tuple(p.shape)) for p in params]
-    with writer.stream(_block_file("model", block.index), declared) as out:
-        for start, stop in chunk_spans(block.numel, store.chunk_numel):
-            part = store.read_span(block.index, "param", (start, stop))
-            for p in params:
-                a, b = max(p.offset, start), min(p.offset + p.numel, stop)
-                if a < b:
-                    out.append(part[a - start : b - start])
+def _owned(block: Block, shard: Shard | None) -> tuple[int, int]:
+    """The elements of ``block`` this rank holds (one rank: all)."""
+    return (0, block.numel) if shard is None else shard.owned(block)
 
 
-def _write_optimizer_state(writer: CheckpointWriter, optimizer: Any, block: Block) -> None:
-    """``block``'s optimizer state (each kind's flat buffer, per-parameter step counts), read a store chunk
-    at a time."""
+def _write_weights(writer: CheckpointWriter, store: Any, block: Block, shard: Shard | None) -> None:
+    """This rank's share of ``block``'s parameters, read a store chunk at a time (a block of a 7B model
+    is 0.8 GB in fp32): whole tensors, or (data parallel) each one's piece as ``<name>@<first element>``."""
+    lo, hi = _owned(block, shard)
+    pieces = [(p, max(p.offset, lo), min(p.offset + p.numel, hi)) for p in block.params]
+    pieces = sorted((piece for piece in pieces if piece[1] < piece[2]), key=lambda piece: piece[1])
+    declared = [
+        (p.name, torch.float32, tuple(p.shape))
+        if shard is None
+        else (f"{p.name}@{a - p.offset}", torch.float32, (b - a,))
+        for p, a, b in pieces
+    ]
+    with writer.stream(_block_file("model", block.index, shard), declared) as out:
+        for start, stop in store.spans(block.index):
+            with store.pinned(block.index, "param", span=(start, stop)) as part:
+                for _, a, b in pieces:
+                    a, b = max(a, start), min(b, stop)
+                    if a < b:
+                        out.append(part[a - start : b - start])
+
+
+def _write_optimizer_state(
+    writer: CheckpointWriter, optimizer: Any, block: Block, shard: Shard | None
+) -> None:
+    """This rank's share of ``block``'s optimizer state (each kind's flat buffer; data parallel: the part
+    its elements own, as ``<kind>@<first of the kind's elements>``) and the per-parameter step counts, read
+    a store chunk at a time."""
     optimizer.wait(block.index)
     store, i = optimizer.store, block.index
     kinds = list(optimizer.state_kinds)
     steps = torch.tensor(optimizer.steps[i], dtype=torch.int64)
-    declared = [(f"{i}:{kind}", *_flat(store.block_layout(i, kind))) for kind in kinds]
+    declared = []
+    for kind in kinds:
+        if shard is None:
+            declared.append((f"{i}:{kind}", *_flat(store.block_layout(i, kind))))
+        else:
+            start, stop = store.block_kind_span(i, kind, _owned(block, shard))
+            declared.append((f"{i}:{kind}@{start}", store.layout(i, kind)[0], (stop - start,)))
     with writer.stream(
-        _block_file("optimizer", i), [*declared, (f"{i}:step", steps.dtype, tuple(steps.shape))]
+        _block_file("optimizer", i, shard), [*declared, (f"{i}:step", steps.dtype, tuple(steps.shape))]
     ) as out:
         for kind in kinds:
-            for span in chunk_spans(block.numel, store.chunk_numel):
-                out.append(store.read_span(i, kind, span))
+            for span in store.spans(i):
+                with store.pinned(i, kind, span=span) as part:
+                    out.append(part)
         out.append(steps)
 
 
 def _flat(layout: tuple[torch.dtype, int]) -> tuple[torch.dtype, tuple[int, ...]]:
     dtype, numel = layout
     return dtype, (numel,)
-
-
-class _Discard:
-    """A ``CheckpointWriter`` that writes nothing."""
-
-    def __init__(self) -> None:
-        self.manifest: dict[str, Any] = {}
-
-    def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def stream(self, relpath: str, declared: list) -> Iterator[_Discard]:
-        yield self
-
-    def append(self, data: Tensor) -> None:
-        pass
-
-    def text(self, relpath: str, content: str) -> None:
-        pass
-
-    def lightning_state(self, state: dict[str, Any]) -> None:
-        pass
-
-    def publish(self) -> None:
-        pass
 
 
 def check_compatible(ckpt: CheckpointDir, engine: Any) -> None:
@@ -307,11 +223,18 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
 
 
 def _load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
+    """Each rank reads its share of every block (from the files of whichever ranks saved it)."""
     entries = ckpt.weights().entries
+    shard = engine.config.shard
     for block in engine.blocks:
-        with engine.store.rewriting(block.index) as flat:
-            for spec, view in zip(block.params, block.views(flat), strict=True):
-                read_into(entries[spec.name], view)
+        lo, hi = _owned(block, shard)
+        if lo == hi:  # a rank past a small block's end: nothing of it is here
+            continue
+        with engine.store.rewriting(block.index, span=None if shard is None else (lo, hi)) as flat:
+            for spec in block.params:
+                a, b = max(spec.offset, lo), min(spec.offset + spec.numel, hi)
+                if a < b:
+                    read_elements(entries[spec.name], a - spec.offset, flat[a - lo : b - lo])
     for name, entry in ckpt.buffers().entries.items():
         module.get_buffer(name).copy_(read_tensor(entry))
 
@@ -337,9 +260,17 @@ def _load_optimizer_from(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> No
     if optimizer.bits or saved["compression"] != "none":
         adam_state.check_codec(optimizer.compression, saved.get("codec") or {**saved, "version": 1})
     entries = ckpt.optimizer().entries
+    shard = engine.config.shard
     try:
         for block in engine.blocks:
-            adam_state.load_block_state(optimizer, block.index, optimizer_block(entries, block.index))
+            if shard is None:
+                state = optimizer_block(entries, block.index)
+                adam_state.load_block_state(optimizer, block.index, state)
+                continue
+            span = _owned(block, shard)
+            kinds = {k: engine.store.block_kind_span(block.index, k, span) for k in optimizer.state_kinds}
+            state = optimizer_block(entries, block.index, kinds)
+            adam_state.load_block_state(optimizer, block.index, state, span)
     except OSError as err:
         raise io_failure(err, ckpt.path, writing=False) from err
 
@@ -363,7 +294,7 @@ def adam_state_as_blocks(
         steps[index] = int(state[i]["step"])
     blocks = {}
     for block, (m, v, steps) in flats.items():
-        quantized = m.numel() - engine.store.layout(block, "exp_avg")[1]
+        quantized = m.numel() - engine.store.block_layout(block, "exp_avg")[1]
         tensors = {"exp_avg": m[quantized:], "exp_avg_sq": v[quantized:], "step": torch.tensor(steps)}
         if bits:
             codes = (
@@ -376,14 +307,23 @@ def adam_state_as_blocks(
     return blocks
 
 
-def optimizer_block(entries: dict[str, TensorEntry], block: int) -> dict[str, Tensor]:
-    """One block's saved optimizer state by kind (``exp_avg``, ``step``, ...)."""
-    file = _block_file("optimizer", block)
-    return {
-        name.split(":", 1)[1]: read_tensor(entry)
-        for name, entry in entries.items()
-        if entry.path.endswith(file)
-    }
+def optimizer_block(
+    entries: dict[str, Any], block: int, ranges: Mapping[str, tuple[int, int]] | None = None
+) -> dict[str, Tensor]:
+    """One block's saved optimizer state by kind (``exp_avg``, ``step``, ...); with ``ranges``, only that
+    range of each kind named there (one rank's share)."""
+    state = {}
+    for name, entry in entries.items():
+        index, _, kind = name.partition(":")
+        if index != str(block):
+            continue
+        if ranges is None or kind not in ranges:
+            state[kind] = read_tensor(entry)
+        else:
+            start, stop = ranges[kind]
+            state[kind] = torch.empty(stop - start, dtype=entry.dtype)
+            read_elements(entry, start, state[kind])
+    return state
 
 
 def checkpoint_bytes(engine: Any, optimizer: Any) -> int:

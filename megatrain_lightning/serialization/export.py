@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatrain_lightning.serialization.checkpoint import CheckpointDir
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir
 from megatrain_lightning.serialization.hf import INDEX_NAME, SINGLE_NAME
 from megatrain_lightning.serialization.publish import replace_dir
 from megatrain_lightning.serialization.safetensors_io import ShardWriter, read_tensor

@@ -111,12 +111,15 @@ def _exchange(a: str, b: str) -> bool:
 class CheckpointWriter:
     """Collects the files of one checkpoint under a temporary name, then publishes them."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, tmp: str | None = None) -> None:
+        """``tmp``: join the temporary directory another process opened (a data-parallel save's rank 0),
+        writing files for it to publish; without, open one."""
         self.path = os.fspath(path).rstrip(os.sep)
-        self.tmp = f"{self.path}.tmp-{os.getpid()}"
-        recover(self.path)
-        for sub in ("model", "optimizer"):
-            os.makedirs(os.path.join(self.tmp, sub))
+        self.tmp = tmp or f"{self.path}.tmp-{os.getpid()}"
+        if tmp is None:
+            recover(self.path)
+            for sub in ("model", "optimizer"):
+                os.makedirs(os.path.join(self.tmp, sub))
         self.files: dict[str, dict[str, Any]] = {}
         self.manifest: dict[str, Any] = {"format": FORMAT, "version": 1}
 

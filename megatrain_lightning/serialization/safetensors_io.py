@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable
@@ -47,6 +48,32 @@ class TensorEntry:
     start: int  # absolute byte offset in the file
     nbytes: int
 
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PiecedEntry:
+    """A tensor saved in flat pieces across files (each rank's share of a data-parallel checkpoint):
+    ``(first element, piece)`` pairs that tile the flattened tensor."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[int, TensorEntry], ...]
+
+    @property
+    def path(self) -> str:
+        return os.path.dirname(self.pieces[0][1].path) if self.pieces else ""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
 
 def read_header(path: str) -> dict[str, TensorEntry]:
     """Index one safetensors file, checking that every byte range lies inside it."""
@@ -78,22 +105,39 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def read_into(entry: TensorEntry, dst: Tensor) -> None:
+def read_into(entry: TensorEntry | PiecedEntry, dst: Tensor) -> None:
     """Read one tensor into ``dst`` (contiguous, host, same shape), converting the dtype if needed."""
     if tuple(dst.shape) != entry.shape:
         raise SafetensorsError(f"{entry.path}: shape {entry.shape} is not the model's {tuple(dst.shape)}")
-    target = dst if dst.dtype == entry.dtype else torch.empty(entry.shape, dtype=entry.dtype)
-    view = memoryview(target.view(-1).view(torch.uint8).numpy())
+    read_elements(entry, 0, dst.view(-1))
+
+
+def read_elements(entry: TensorEntry | PiecedEntry, start: int, dst: Tensor) -> None:
+    """Elements ``[start, start + dst.numel())`` of the flattened tensor into ``dst`` (1-D, contiguous,
+    host), converting the dtype if needed: a rank reads only its share of a block."""
+    if start < 0 or start + dst.numel() > entry.numel:
+        raise SafetensorsError(
+            f"{entry.path}: elements {start}..{start + dst.numel()} are outside its {entry.numel}"
+        )
+    if isinstance(entry, PiecedEntry):
+        stop = start + dst.numel()
+        for first, piece in entry.pieces:
+            a, b = max(start, first), min(stop, first + piece.numel)
+            if a < b:
+                read_elements(piece, a - first, dst[a - start : b - start])
+        return
+    target = dst if dst.dtype == entry.dtype else torch.empty(dst.numel(), dtype=entry.dtype)
+    view = memoryview(target.view(torch.uint8).numpy())
     point("tensor.read", entry.path)
     with open(entry.path, "rb", buffering=0) as f:
-        done = os.preadv(f.fileno(), [view], entry.start)
-    if done != entry.nbytes:
-        raise SafetensorsError(f"{entry.path} is truncated: read {done} of {entry.nbytes} bytes")
+        done = os.preadv(f.fileno(), [view], entry.start + start * entry.dtype.itemsize)
+    if done != target.nbytes:
+        raise SafetensorsError(f"{entry.path} is truncated: read {done} of {target.nbytes} bytes")
     if target is not dst:
         dst.copy_(target)
 
 
-def read_tensor(entry: TensorEntry) -> Tensor:
+def read_tensor(entry: TensorEntry | PiecedEntry) -> Tensor:
     """One tensor, read into a new host tensor of its own dtype and shape."""
     tensor = torch.empty(entry.shape, dtype=entry.dtype)
     read_into(entry, tensor)

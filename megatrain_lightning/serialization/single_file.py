@@ -16,12 +16,8 @@ from torch import Tensor
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
-from megatrain_lightning.serialization.checkpoint import (
-    MEGATRAIN_KEYS,
-    CheckpointDir,
-    CheckpointError,
-    optimizer_block,
-)
+from megatrain_lightning.serialization.checkpoint import MEGATRAIN_KEYS, optimizer_block
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
 from megatrain_lightning.serialization.safetensors_io import read_tensor
 from megatrain_lightning.store.preflight import available_ram_bytes
 

@@ -151,6 +151,10 @@ class HostStore:
         """The range of ``kind``'s buffer that block elements ``span`` (``None``: all) own."""
         if span is None:
             return 0, self.layout(block, kind)[1]
+        return self.block_kind_span(block, kind, span)
+
+    def block_kind_span(self, block: int, kind: str, span: tuple[int, int]) -> tuple[int, int]:
+        """The range of the whole block's ``kind`` (what a checkpoint holds) that elements ``span`` own."""
         return self._kinds.get(kind, _FP32)[2](self.blocks[block], *span)
 
     def will_change(self, block: int, done: Future | None = None) -> None:
@@ -209,23 +213,26 @@ class HostStore:
         yield self._buffer(block, kind)[start:stop]
 
     @contextlib.contextmanager
-    def rewriting(self, block: int, kind: str = "param") -> Iterator[Tensor]:
-        """``pinned(write=True)`` for a change made in this thread (loading weights): after the block's
-        pending change, copies taken before go stale, and the new contents are written back."""
+    def rewriting(
+        self, block: int, kind: str = "param", span: tuple[int, int] | None = None
+    ) -> Iterator[Tensor]:
+        """``pinned(write=True)`` for a change made in this thread (loading weights), of the block or of
+        its elements ``span``: after the block's pending change, copies taken before go stale, and the new
+        contents are written back."""
         self.wait_for_change(block)
         self.will_change(block)
         if kind != "param":
-            with self.pinned(block, kind, write=True) as flat:
+            with self.pinned(block, kind, write=True, span=span) as flat:
                 yield flat
-            self.written(block, [kind])
+            self.written(block, [kind], span)
             return
         self._invalidate_shadow(block)  # before (a failed write leaves it stale) and after (a rebuild
         try:  # that read the weights meanwhile does not count)
-            with self.pinned(block, kind, write=True) as flat:
+            with self.pinned(block, kind, write=True, span=span) as flat:
                 yield flat
         finally:
             self._invalidate_shadow(block)
-        self.written(block, [kind])
+        self.written(block, [kind], span)
 
     @contextlib.contextmanager
     def pinned_all(

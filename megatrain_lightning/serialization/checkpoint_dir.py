@@ -1,0 +1,137 @@
+"""Reading a checkpoint directory (see :mod:`.checkpoint` for its layout): every file checked against the
+manifest's size and SHA-256 first, then its tensors by name, a data-parallel checkpoint's per-rank pieces
+put together, so that a checkpoint loads into any number of ranks, exports and converts as one."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from megatrain_lightning.engine.chaos import point
+from megatrain_lightning.serialization.hf import WeightFiles
+from megatrain_lightning.serialization.publish import FORMAT, LIGHTNING_STATE, MANIFEST, io_failure, recover
+from megatrain_lightning.serialization.safetensors_io import (
+    PiecedEntry,
+    SafetensorsError,
+    TensorEntry,
+    read_header,
+    sha256_file,
+)
+
+
+class CheckpointError(MisconfigurationException):
+    """A checkpoint is incomplete, corrupt or for another model; nothing was loaded."""
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+@dataclass(frozen=True)
+class CheckpointDir:
+    path: str
+    manifest: dict[str, Any]
+
+    @classmethod
+    def verify(cls, path: str | os.PathLike) -> CheckpointDir:
+        """Open a checkpoint after checking every file's size and checksum."""
+        path = os.fspath(path)
+        recover(path)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} is not a megatrain checkpoint directory.")
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                manifest = json.load(f)
+        except OSError as err:
+            if err.errno != errno.ENOENT:
+                raise io_failure(err, path, writing=False) from err
+            raise CheckpointError(
+                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
+            ) from err
+        except json.JSONDecodeError as err:
+            raise CheckpointError(
+                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
+            ) from err
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{path}/{MANIFEST} does not describe a megatrain checkpoint.")
+        for relpath, info in manifest["files"].items():
+            file = os.path.join(path, relpath)
+            if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
+                raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
+            try:
+                point("ckpt.read", file)
+                digest = sha256_file(file)
+            except OSError as err:
+                raise io_failure(err, path, writing=False) from err
+            if digest != info["sha256"]:
+                raise CheckpointError(
+                    f"{file} does not match its checksum (corrupt); the checkpoint cannot be loaded."
+                )
+        return cls(path, manifest)
+
+    def weights(self) -> WeightFiles:
+        shapes = {name: tuple(shape) for block in self.manifest["blocks"] for name, shape in block}
+        return self._shards("model/block-", shapes)
+
+    def optimizer(self) -> WeightFiles:
+        return self._shards("optimizer/block-", {})
+
+    def buffers(self) -> WeightFiles:
+        return WeightFiles(self.path, read_header(os.path.join(self.path, "model", "buffers.safetensors")))
+
+    def hf_config(self) -> str:
+        if "model/config.json" not in self.manifest["files"]:
+            raise CheckpointError(f"{self.path} holds no Hugging Face model, so it cannot be exported.")
+        with open(os.path.join(self.path, "model", "config.json")) as f:
+            return f.read()
+
+    def lightning_state(self) -> dict[str, Any]:
+        return torch.load(os.path.join(self.path, LIGHTNING_STATE), weights_only=True, map_location="cpu")
+
+    def _shards(self, prefix: str, shapes: Mapping[str, tuple[int, ...]]) -> WeightFiles:
+        """The tensors of the files under ``prefix``, a data-parallel checkpoint's pieces put together
+        (``shapes``: those of pieced tensors that are not flat)."""
+        entries = {}
+        for relpath in sorted(self.manifest["files"]):
+            if relpath.startswith(prefix):
+                try:
+                    entries.update(read_header(os.path.join(self.path, relpath)))
+                except SafetensorsError as err:
+                    raise CheckpointError(str(err)) from err
+        return WeightFiles(self.path, self._assembled(entries, shapes))
+
+    def _assembled(
+        self, entries: dict[str, TensorEntry], shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, Any]:
+        """``entries`` with each rank's pieces (named ``<name>@<first element>``) as one tensor."""
+        whole: dict[str, Any] = {}
+        pieces: dict[str, list[tuple[int, TensorEntry]]] = {}
+        for name, entry in entries.items():
+            base, at, first = name.rpartition("@")
+            if at and first.isdigit():
+                pieces.setdefault(base, []).append((int(first), entry))
+            else:
+                whole[name] = entry
+        for name, named in pieces.items():
+            parts = sorted((part for part in named if part[1].numel), key=lambda part: part[0])
+            ends = [first + piece.numel for first, piece in parts] or [0]
+            shape = shapes.get(name, (ends[-1],))
+            if (
+                [first for first, _ in parts] != [0, *ends[:-1]][: len(parts)]
+                or ends[-1] != math.prod(shape)
+                or len({piece.dtype for _, piece in named}) > 1
+            ):
+                raise CheckpointError(
+                    f"{self.path}: the ranks' pieces of {name!r} do not make the whole tensor; the "
+                    "checkpoint is incomplete and cannot be loaded."
+                )
+            whole[name] = PiecedEntry(named[0][1].dtype, shape, tuple(parts))
+        return whole

@@ -1,0 +1,90 @@
+"""Checkpoints of a data-parallel run, written by every rank at once: each streams its own share of the
+store into the checkpoint directory (ZeRO-Infinity's bandwidth-centric saving; on several nodes the
+directory must be on a filesystem they share, as for any sharded checkpoint).
+
+Rank 0 checks the space and opens the temporary directory; every rank writes its pieces of every block
+(``block-NNNNN-rank-RRRRR-of-WWWWW.safetensors``, see :func:`.checkpoint.write_share`), rank 0 also
+Lightning's state; once every rank reported its files written and synced, rank 0 adds them to the
+manifest and publishes the directory. A failure on any rank removes the temporary directory and raises
+on every rank, so none waits for the others. Loading puts the pieces together
+(:class:`.checkpoint_dir.CheckpointDir`): a checkpoint loads into any number of ranks.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from megatrain_lightning.serialization.checkpoint import (
+    check_free_space,
+    checkpoint_bytes,
+    raise_write_failure,
+    write_rest,
+    write_share,
+)
+from megatrain_lightning.serialization.publish import CheckpointIOError, CheckpointWriter
+
+
+def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
+    """Collective: every rank calls it with the same ``path``."""
+    first = engine.config.shard.rank == 0
+    writer, failure = None, None
+    if first:
+        try:
+            check_free_space(path, checkpoint_bytes(engine, optimizer))
+            writer = CheckpointWriter(path)
+        except Exception as err:
+            failure = err
+    tmp = _from_first(failure, writer.tmp if writer is not None else None, path)
+    writer = writer or CheckpointWriter(path, tmp)
+    try:
+        write_share(writer, engine, optimizer)
+        if first:
+            write_rest(writer, engine, module, lightning_state, optimizer)
+    except Exception as err:
+        failure = err
+    reports: list[Any] = [None] * engine.config.shard.world
+    dist.all_gather_object(reports, (writer.files, _reason(failure)))
+    reasons = [reason for _, reason in reports]
+    if any(reasons):  # every rank knows: each raises, no rank waits for another
+        if first:
+            shutil.rmtree(writer.tmp, ignore_errors=True)
+        _raise_any(failure, reasons, writer.path)
+    if first:
+        for files, _ in reports:
+            writer.files.update(files)
+        try:
+            writer.publish()
+        except Exception as err:
+            failure = err
+            shutil.rmtree(writer.tmp, ignore_errors=True)
+    _from_first(failure, None, path)
+
+
+def _from_first(failure: BaseException | None, value: Any, path: str) -> Any:
+    """Rank 0's ``value``; or, where rank 0 passes the error it met, that error raised on every rank."""
+    message = [value, _reason(failure)]
+    dist.broadcast_object_list(message, src=0)
+    _raise_any(failure, [message[1]], path)
+    return message[0]
+
+
+def _raise_any(failure: BaseException | None, reasons: list[str | None], path: str) -> None:
+    """Raise this rank's own error, else one naming the first rank that failed."""
+    if isinstance(failure, OSError):
+        raise_write_failure(failure, path)
+    if failure is not None:
+        raise failure
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            raise CheckpointIOError(
+                f"megatrain: the checkpoint was not written: rank {rank} failed ({reason}); the previous "
+                "checkpoint there is unchanged."
+            )
+
+
+def _reason(failure: BaseException | None) -> str | None:
+    return None if failure is None else f"{type(failure).__name__}: {failure}"
