@@ -1,14 +1,15 @@
 """Data parallel on the CPU (gloo): one rank against two, side by side in one run (issue 16).
 
-The same Llama (``--size`` preset, or a small one with ``--quick``), fp32, trains on one rank with ``2 x
---batch`` rows per step and on two forked ranks with ``--batch`` rows each: the same global batch (the
-one-rank run is fed the rows in the order Lightning's ``DistributedSampler`` deals them to the ranks). Per
-rank and timed step it reports what the rank's collectives received (``stats.gathered_bytes``,
-``stats.reduce_scattered_bytes``) against the least a sharded step needs: every block gathered for its
-forward and again for its backward, its gradients reduce-scattered once, of which a rank receives
-(world - 1)/world of the model's bytes in the dtype moved (fp32: the engine gathers the fp32 masters and
-reduces fp32 gradients); the store bytes each rank holds against the one rank's; the losses' agreement;
-and step times (two ranks on a 2-core machine share its cores: a CPU run shows the bytes, not a speed-up).
+The same Llama (``--size`` preset, or a small one with ``--quick``), in ``--precision`` (fp32 by
+default), trains on one rank with ``2 x --batch`` rows per step and on two forked ranks with ``--batch``
+rows each: the same global batch (the one-rank run is fed the rows in the order Lightning's
+``DistributedSampler`` deals them to the ranks). Per rank and timed step it reports what the rank's
+collectives received (``stats.gathered_bytes``, ``stats.reduce_scattered_bytes``) against the least a
+sharded step needs: every block gathered for its forward and again for its backward, its gradients
+reduce-scattered once, of which a rank receives (world - 1)/world of the model's bytes in the dtype moved
+(the gathers in the dtypes the blocks compute in, bf16 weights under bf16-mixed; the gradients in fp32);
+the store bytes each rank holds against the one rank's; the losses' agreement; and step times (two ranks
+on a 2-core machine share its cores: a CPU run shows the bytes, not a speed-up).
 ``python benchmarks/bench_parallel.py --quick`` is a smoke run.
 """
 
@@ -33,6 +34,8 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel
 
 from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.engine.blocks import discover_blocks
+from megatrain_lightning.engine.slots import SlotLayout
 
 WORLD = 2
 
@@ -91,19 +94,32 @@ def dealt_order(n: int) -> list[int]:
 
 
 def train(
-    model: PreTrainedModel, data: list[dict[str, torch.Tensor]], batch: int, ranks: int, out: Path
+    model: PreTrainedModel,
+    data: list[dict[str, torch.Tensor]],
+    batch: int,
+    ranks: int,
+    out: Path,
+    precision: str,
 ) -> None:
     """Fit a copy of ``model`` on ``ranks`` ranks, one step per ``batch`` rows of each rank."""
     out.mkdir(parents=True, exist_ok=True)
     strategy = (
         MegaTrainStrategy(start_method="fork", timeout=timedelta(minutes=5)) if ranks > 1 else "megatrain"
     )
-    quiet = {**trainer_kwargs("cpu", "32-true"), "devices": ranks}
+    quiet = {**trainer_kwargs("cpu", precision), "devices": ranks}
     trainer = L.Trainer(
         strategy=strategy, max_steps=len(data) // (batch * ranks), callbacks=[RankReport(out)], **quiet
     )
     torch.manual_seed(1)
     trainer.fit(BenchModule(copy.deepcopy(model)), train_dataloaders=DataLoader(data, batch_size=batch))
+
+
+def compute_bytes(model: PreTrainedModel, precision: str) -> int:
+    """The model's bytes in the dtypes its blocks compute in (what a gather moves)."""
+    blocks = discover_blocks(model)
+    mixed = precision == "bf16-mixed"
+    layout = SlotLayout(blocks, torch.bfloat16 if mixed else torch.float32, mixed=mixed)
+    return sum(p.numel * layout.dtypes[b.index][i].itemsize for b in blocks for i, p in enumerate(b.params))
 
 
 def per_step(report: dict[str, Any], warmup: int) -> dict[str, float]:
@@ -127,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     args = parser.parse_args(argv)
     start = time.perf_counter()
     config = bench_config(args.quick, args.size)
@@ -141,14 +158,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory() as folder:
         print("one rank ...", flush=True)
-        train(model, [data[i] for i in dealt_order(len(data))], WORLD * args.batch, 1, Path(folder, "one"))
+        ordered = [data[i] for i in dealt_order(len(data))]
+        train(model, ordered, WORLD * args.batch, 1, Path(folder, "one"), args.precision)
         print(f"{WORLD} ranks (gloo, forked) ...", flush=True)
-        train(model, data, args.batch, WORLD, Path(folder, "two"))
+        train(model, data, args.batch, WORLD, Path(folder, "two"), args.precision)
         one = json.loads(Path(folder, "one", "rank0.json").read_text())
         two = [json.loads(Path(folder, "two", f"rank{r}.json").read_text()) for r in range(WORLD)]
-    least = model_bytes * (WORLD - 1) / WORLD  # what a rank receives of one gather (or reduce-scatter) of all
+    share = (WORLD - 1) / WORLD  # what a rank receives of one gather (or reduce-scatter) of all
+    least, gather_least = model_bytes * share, compute_bytes(model, args.precision) * share
     print(
-        f"\nleast a rank receives per step: gathers 2 x {least / 1e9:.4f} GB, "
+        f"\nleast a rank receives per step: gathers 2 x {gather_least / 1e9:.4f} GB, "
         f"reduce-scatter {least / 1e9:.4f} GB"
     )
     print(f"{'run':<10} {'step s':>7} {'gathered GB':>12} {'/ least':>8} {'reduced GB':>11} {'/ least':>8} "
@@ -160,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         s = per_step(report, args.warmup)
         print(
             f"{f'rank {rank}':<10} {s['step_s']:7.3f} "
-            f"{s['gathered'] / 1e9:12.4f} {s['gathered'] / (2 * least):8.3f} "
+            f"{s['gathered'] / 1e9:12.4f} {s['gathered'] / (2 * gather_least):8.3f} "
             f"{s['reduce_scattered'] / 1e9:11.4f} {s['reduce_scattered'] / least:8.3f} "
             f"{report['store_bytes'] / 1e9:9.4f} {report['store_bytes'] / one['store_bytes']:10.3f}"
         )

@@ -94,8 +94,8 @@ class MegaTrainStrategy(RankedStrategy):
         io_chunk_mb: the store's chunk, in MB of fp32: blocks are cached, read, written and updated in
             pieces of this size, so the host RAM the disk tier needs is a few chunks, whatever the block size
             (``None``: 16; the host tier, all in RAM, then works on whole blocks where it keeps no shadow).
-        zero_copy: on the CPU with fp32 compute and the host tier, blocks compute on the store's weights
-            themselves (no slots, nothing copied); ``False`` copies them into slots as on a GPU.
+        zero_copy: on the CPU with the host tier, blocks compute on the store's weights themselves (in
+            bf16 on its bf16 shadow; no slots, nothing copied); ``False`` copies them into slots as on a GPU.
         start_method: how Lightning starts the ranks of one node with ``devices > 1``, as for DDP:
             ``"popen"`` (runs the script again per rank; also right under torchrun or SLURM), ``"spawn"``,
             ``"fork"`` or ``"forkserver"`` (``ddp_spawn``'s multiprocessing launcher).
@@ -397,7 +397,7 @@ class MegaTrainStrategy(RankedStrategy):
         self.barrier()
         if not os.path.isdir(checkpoint_path):  # a directory is ours: ``verify`` says what it lacks
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        ckpt = checkpointing.CheckpointDir.verify(checkpoint_path)
+        ckpt = ranked_checkpoint.verify(checkpoint_path, self.engine.config.shard)
         checkpointing.check_compatible(ckpt, self.engine)
         state = ckpt.lightning_state()
         state["state_dict"] = {}

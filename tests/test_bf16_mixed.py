@@ -85,7 +85,7 @@ def test_bf16_mixed_trains_bitwise_like_lightnings(model, plain, arch, variant, 
     if variant == "two_slots_no_checkpointing":  # paged, the saved graph replayed on mixed-dtype slots
         blocks = discover_blocks(copy.deepcopy(model))
         slot = SlotLayout(blocks, torch.bfloat16, mixed=True).nbytes
-        kwargs = {"max_vram_gb": 2 * slot / 1e9, "activation_checkpointing": False}
+        kwargs = {"max_vram_gb": 2 * slot / 1e9, "activation_checkpointing": False, "zero_copy": False}
     if variant == "offload_thread":  # the CUDA path's staging buffers, with fp32 and bf16 gradients
         monkeypatch.setattr(engine_module, "HostGrads", functools.partial(HostGrads, asynchronous=True))
     grad_dtypes: dict[str, set[torch.dtype]] = {}
@@ -105,6 +105,8 @@ def test_bf16_mixed_trains_bitwise_like_lightnings(model, plain, arch, variant, 
     if variant == "two_slots_no_checkpointing":  # the two largest blocks' budget: fewer slots than blocks
         engine = run.trainer.strategy.engine
         assert 2 <= engine.pager.num_slots < len(engine.blocks)
+    else:  # on the CPU the blocks compute on the store's bf16 shadow and fp32 weights: nothing copied
+        assert run.trainer.strategy.stats.h2d_bytes == run.trainer.strategy.stats.peak_slot_bytes == 0
     assert_same_training(plain, run, loss_rtol=0, param_atol=0)
     assert embedded and set(embedded) == {torch.float32}
     bf16 = _bf16_names(model)

@@ -3,10 +3,12 @@ doubled batch, each rank holding half of the store; a failing rank stops the run
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -266,6 +268,16 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
     assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
 
 
+def test_two_ranks_in_bf16_mixed_train_as_one_within_its_rounding(tmp_path: Path) -> None:
+    """Under bf16-mixed the blocks are gathered in the slot's dtypes. One rank's megatrain is bitwise plain
+    Lightning's; two ranks differ from it by bf16 rounding only (autocast rounds each half batch's weight
+    gradient products to bf16, where one rank rounds the whole batch's): 1e-5 here."""
+    model = tiny_model("llama")
+    plain = _plain_fit(model, 3, precision="bf16-mixed")
+    paged, _ = _dp_fit(model, tmp_path, 3, precision="bf16-mixed")
+    assert_same_training(plain, paged, loss_rtol=5e-5, param_atol=5e-5)
+
+
 def test_the_disk_tier_keeps_each_ranks_shard_in_a_folder_of_its_own(tmp_path: Path) -> None:
     """... and each rank saves its share from there: the checkpoint is the trained model, bitwise."""
     model, offload = tiny_model("llama"), tmp_path / "offload"
@@ -347,20 +359,52 @@ def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_o
     assert all((two[name] - one[name]).abs().max() <= 1e-6 for name in one)
 
 
-class SaveRecorder(MegaTrainStrategy):
-    """Saves what each rank was told when its save failed; rank 0, where the failure is, then waits a little
-    (the launcher reports the first rank that ends and stops the others)."""
+class ErrorRecorder(MegaTrainStrategy):
+    """Saves what each rank was told when a save or a load failed; rank ``first`` then waits a little (the
+    launcher reports the first rank that ends and stops the others)."""
 
     out: Path
+    first = 0
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        try:
+        with self._recorded():
             super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        with self._recorded():
+            return super().load_checkpoint(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _recorded(self) -> Iterator[None]:
+        try:
+            yield
         except Exception as err:
             (self.out / f"error{self.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
-            if self.global_rank == 0:
+            if self.global_rank == self.first:
                 time.sleep(2)
             raise
+
+
+def test_the_ranks_divide_the_checksums_and_all_refuse_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    """Each rank checks every other file of the checkpoint: a byte changed in a file that rank 1 checks
+    stops both ranks before anything is loaded, rank 0 told by rank 1, with the file named."""
+    model = tiny_model("llama")
+    _epoch_fit(model, tmp_path, 2, epochs=1, save_to=tmp_path / "ckpts")
+    ckpt = tmp_path / "ckpts" / "last.ckpt"
+    corrupt = ckpt / sorted(CheckpointDir.verify(ckpt).manifest["files"])[1]  # the second: rank 1's
+    data = bytearray(corrupt.read_bytes())
+    data[-1] ^= 1
+    corrupt.write_bytes(bytes(data))
+    strategy = ErrorRecorder(start_method="fork", timeout=timedelta(minutes=1))
+    strategy.out, strategy.first = tmp_path, 1
+    trainer = quiet_trainer(strategy, -1, [], devices=2, max_epochs=2)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=f"{corrupt.name} does not match its checksum"):
+        trainer.fit(
+            SyncedLM(copy.deepcopy(model), lr=LR), DataLoader(_rows(2), batch_size=BATCH), ckpt_path=ckpt
+        )
+    assert time.monotonic() - start < 60
+    assert (tmp_path / "error0.txt").read_text().endswith("(found by rank 1)")
 
 
 def test_a_save_failing_on_one_rank_fails_on_every_rank_and_publishes_nothing(tmp_path: Path) -> None:
@@ -369,7 +413,7 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank_and_publishes_nothing(tm
     model = tiny_model("llama")
     module = SyncedLM(copy.deepcopy(model), lr=LR)
     blocks = len(discover_blocks(module))  # each rank writes two files per block, then rank 0 the rest
-    strategy = SaveRecorder(start_method="fork", timeout=timedelta(minutes=1))
+    strategy = ErrorRecorder(start_method="fork", timeout=timedelta(minutes=1))
     strategy.out, save_to = tmp_path, tmp_path / "ckpts"
     callbacks = [ModelCheckpoint(dirpath=save_to, save_last=True)]
     trainer = quiet_trainer(strategy, 2, callbacks, devices=2, enable_checkpointing=True)
@@ -499,3 +543,54 @@ def test_a_span_read_across_ranks_is_the_owners_bits() -> None:
     for process in ranks:
         process.join(timeout=60)
     assert sorted(results.get(timeout=5) for _ in ranks) == [(0, True, True), (1, True, True)]
+
+
+def _gather_bf16_on_rank(rank: int, port: str, results: Any) -> None:
+    import torch.distributed as dist
+
+    from megatrain_lightning.engine.distributed import GatheredViews, Shard, ShardedHostStore
+    from megatrain_lightning.engine.slots import SlotLayout
+    from megatrain_lightning.telemetry.stats import EngineStats
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    blocks = discover_blocks(tiny_model("gpt2"))  # fp32 norms and biases between bf16 weights
+    stats = EngineStats()
+    store = ShardedHostStore(Shard(rank, 2), blocks, stats, chunk_numel=1 << 20)
+    layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
+    views = GatheredViews(store, stats, layout)
+    same, least = [], 0
+    for block in blocks:
+        full = torch.randn(block.numel, generator=torch.Generator().manual_seed(block.index))
+        lo, hi = store.shard.owned(block)
+        with store.pinned(block.index, "param", write=True, span=(lo, hi)) as own:
+            own.copy_(full[lo:hi])
+        expected = torch.zeros(layout.block_bytes[block.index], dtype=torch.uint8)
+        layout.copy_in(block.index, full, expected)
+        gathered = views.acquire(block.index, backward=False)
+        views.release(block.index)
+        same += [
+            torch.equal(layout.view(block.index, i, gathered), layout.view(block.index, i, expected))
+            for i in range(len(block.params))
+        ]
+        least += sum(p.numel * layout.dtypes[block.index][i].itemsize for i, p in enumerate(block.params)) / 2
+    results.put((rank, all(same), stats.gathered_bytes / least))
+    dist.destroy_process_group()
+
+
+def test_ranks_gather_a_block_in_the_dtypes_it_computes_in() -> None:
+    """Under bf16-mixed each rank sends its share as the slot holds it (bf16 weights, fp32 norms and
+    biases): the gathered slot equals the single-rank one bit for bit, and a rank receives about half the
+    block's bytes in those dtypes (its share's padding and alignment aside), not half its fp32 bytes."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("fork")
+    results = context.Queue()
+    port = os.environ["MASTER_PORT"]
+    ranks = [context.Process(target=_gather_bf16_on_rank, args=(r, port, results)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+    reports = sorted(results.get(timeout=5) for _ in ranks)
+    assert [(rank, same) for rank, same, _ in reports] == [(0, True), (1, True)]
+    assert all(1.0 <= received <= 1.1 for _, _, received in reports), reports

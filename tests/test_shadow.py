@@ -174,7 +174,7 @@ def test_the_shadow_path_equals_slots_converting_the_master(
         assert all(store.shadow_runs(b.index) == [(0, b.numel)] for b in store.blocks)
     _assert_shadows_current(store)
     define = HostStore.define_shadow
-    monkeypatch.setattr(HostStore, "define_shadow", lambda self, runs: define(self, None))
+    monkeypatch.setattr(HostStore, "define_shadow", lambda self, runs, joined=False: define(self, None))
     without = user_fit(model, MegaTrainStrategy(**strategy), steps=STEPS, **trainer)
     assert not without.trainer.strategy.engine.store.has_shadow
     assert_same_training(without, with_shadow, loss_rtol=0, param_atol=0)

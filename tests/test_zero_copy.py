@@ -1,6 +1,6 @@
-"""Where the compute device is the host (CPU, fp32, host tier), blocks compute on the store's own weights:
-no slot, no copy, and results bitwise those of the slot path. Worker threads leave the compute thread's
-OpenMP size alone."""
+"""Where the compute device is the host (CPU, host tier), blocks compute on the store's own weights (in
+bf16, on its bf16 shadow where a slot holds bf16): no slot, no copy, and results bitwise those of the slot
+path. Worker threads leave the compute thread's OpenMP size alone."""
 
 from __future__ import annotations
 
@@ -22,34 +22,54 @@ from megatrain_lightning.telemetry.stats import EngineStats
 
 
 class WeightAddresses(L.Callback):
-    """Records, at each call of the first MLP's up projection, whether its weight lies in the store's buffer."""
+    """Records, at each call of the first decoder layer's up projection and norm, whether their weights lie
+    in the store's buffers (the weights' or the bf16 shadow's) and their dtypes."""
 
     def __init__(self) -> None:
         self.in_store: list[bool] = []
+        self.dtypes: set[tuple[torch.dtype, torch.dtype]] = set()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = trainer.strategy.engine
         name = next(n for n in engine.locations if n.endswith("layers.0.mlp.up_proj.weight"))
-        flat = engine.store.read(engine.locations[name][0], "param")
-        start, end = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+        block = engine.locations[name][0]
+        kinds = ["param", "shadow"] if engine.store.has_shadow else ["param"]
+        flats = [engine.store.read(block, kind) for kind in kinds]
+        ranges = [(flat.data_ptr(), flat.data_ptr() + flat.nbytes) for flat in flats]
+        layer = pl_module.model.model.layers[0]
 
         def record(module: torch.nn.Module, args: object) -> None:
-            self.in_store.append(start <= module.weight.data_ptr() < end)
+            for weight in (layer.mlp.up_proj.weight, layer.input_layernorm.weight):
+                self.in_store.append(any(start <= weight.data_ptr() < end for start, end in ranges))
+            self.dtypes.add((layer.mlp.up_proj.weight.dtype, layer.input_layernorm.weight.dtype))
 
-        pl_module.model.model.layers[0].mlp.up_proj.register_forward_pre_hook(record)
+        layer.mlp.up_proj.register_forward_pre_hook(record)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_zero_copy_binds_the_store_and_trains_bitwise_as_the_slots(checkpointing):
+@pytest.mark.parametrize(
+    ("precision", "checkpointing", "dtypes"),
+    [
+        ("32-true", False, (torch.float32, torch.float32)),
+        ("32-true", True, (torch.float32, torch.float32)),
+        ("bf16-mixed", False, (torch.bfloat16, torch.float32)),  # the shadow; the fp32 norm from the weights
+        ("bf16-mixed", True, (torch.bfloat16, torch.float32)),
+        ("bf16-true", False, (torch.bfloat16, torch.bfloat16)),
+    ],
+)
+def test_zero_copy_binds_the_store_and_trains_bitwise_as_the_slots(precision, checkpointing, dtypes):
     model, runs = tiny_model("llama"), {}
     for zero_copy in (True, False):
         addresses = WeightAddresses()
         strategy = MegaTrainStrategy(activation_checkpointing=checkpointing, zero_copy=zero_copy)
         clipping = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
-        runs[zero_copy] = user_fit(model, strategy, steps=3, callbacks=[addresses], **clipping), addresses
+        runs[zero_copy] = (
+            user_fit(model, strategy, steps=3, callbacks=[addresses], precision=precision, **clipping),
+            addresses,
+        )
     (views, seen_views), (slots, seen_slots) = runs[True], runs[False]
     assert seen_views.in_store and all(seen_views.in_store)  # forward and recompute read the store itself
     assert seen_slots.in_store and not any(seen_slots.in_store)
+    assert seen_views.dtypes == seen_slots.dtypes == {dtypes}
     assert views.trainer.strategy.stats.h2d_bytes == 0
     assert views.trainer.strategy.stats.peak_slot_bytes == 0
     assert slots.trainer.strategy.stats.h2d_bytes > 0
@@ -59,9 +79,17 @@ def test_zero_copy_binds_the_store_and_trains_bitwise_as_the_slots(checkpointing
         assert torch.equal(value, expected[name]), name
 
 
-def test_the_slot_path_stays_for_bf16():
-    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1, precision="bf16-true")
-    assert run.trainer.strategy.stats.h2d_bytes > 0
+def test_bf16_weights_and_their_shadow_share_one_buffer_counted_once():
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=2, precision="bf16-mixed")
+    store = run.trainer.strategy.engine.store
+    numel = sum(b.numel for b in store.blocks)
+    shadow = sum(store.layout(b.index, "shadow")[1] for b in store.blocks)
+    pages = 4096 * len(store.blocks)  # a buffer of its own is whole pages
+    assert 0 < shadow < numel  # the decoder layers' linear weights, not the embedding, norms or head
+    assert store.nbytes("shadow") == 2 * shadow
+    assert 4 * numel <= store.nbytes("param") <= 4 * numel + pages
+    # weights, their shadow, Adam's m and v, and the gradient sums of a block or two
+    assert 12 * numel + 2 * shadow <= store.nbytes() < 16 * numel + 2 * shadow
 
 
 def test_worker_threads_run_single_threaded_and_leave_the_compute_thread_its_size():

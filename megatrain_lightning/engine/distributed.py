@@ -3,13 +3,15 @@
 A block's flat buffers (weights, gradient sums, Adam moments) are cut into ``world`` equal shards, each
 padded to whole ``ALIGN``s; rank ``r`` owns block elements ``[r * size, (r + 1) * size)`` and its store
 holds only that shard (and of compressed moments the codes and scales those elements own: a share starts
-on a quantization block's boundary), so adding ranks divides the store. The pieces keep the single-rank interfaces:
+on a quantization block's boundary), so adding ranks divides the store. The pieces keep the single-rank
+interfaces:
 
 - :class:`ShardedHostStore`, :class:`ShardedDiskStore` (the disk tier, in a folder per rank): ``spans`` are
   the rank's own chunks, so everything that works chunk by chunk (gradient sums, the optimizer's update,
   the disk tier's cache and files) touches only the shard, unchanged. A whole-block read (a forward's
   weights, ``state_dict``) is an ``all_gather_into_tensor`` of the shards; a whole-block write (adopting
-  or loading weights) takes rank 0's block and keeps the own shard.
+  weights) takes rank 0's block and keeps the own shard; loading a checkpoint writes each rank's own share
+  alone (``rewriting`` with a ``span``).
 - :class:`GatheredViews`: the pager of a sharded engine: each acquire gathers the block (waiting for the
   shard's pending update first), in the compute dtype.
 - :class:`ShardedGrads`: a call's gradients are ``reduce_scatter``ed (sum, then the mean Lightning's DDP
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews
-from megatrain_lightning.engine.slots import SlotLayout
+from megatrain_lightning.engine.slots import Run, SlotLayout
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.layout import Block, align_up, chunk_spans
@@ -63,6 +65,7 @@ class Shard:
         return min(start, block.numel), min(start + self.size(block), block.numel)
 
 
+_PIECE_ALIGN = 16  # bytes: where each part of a share's slot runs starts in what the rank sends
 _SAME_SIZE_INT = {8: torch.int64, 4: torch.int32}  # itemsize -> an integer dtype to sum bits in
 
 
@@ -220,23 +223,64 @@ class ShardedDiskStore(_ShardedStore, DiskStore):
 
 
 class GatheredViews(HostViews):
-    """The pager of a sharded engine: ``acquire`` gathers the block from every rank, in the compute dtype
-    (fp32: the gathered buffer itself; otherwise converted as a slot would be)."""
+    """The pager of a sharded engine: ``acquire`` gathers the block from every rank. In fp32 that is the
+    store's gathered buffer itself; otherwise each rank sends its share already in the slot's dtypes (half
+    the bytes in bf16: what goes over the network is what the device computes on), and the shares are put
+    into a slot laid out as the single-rank pager's."""
 
-    def __init__(self, store: HostStore, stats: EngineStats, layout: SlotLayout) -> None:
+    def __init__(
+        self, store: ShardedHostStore | ShardedDiskStore, stats: EngineStats, layout: SlotLayout
+    ) -> None:
         super().__init__(store, stats)
         self.layout = layout
+        self._pieces: dict[int, list[list[tuple[Run, int, int, int]]]] = {}
 
-    def acquire(self, block: int, backward: bool) -> Tensor:
-        flat = super().acquire(block, backward)  # the store's read: gathered, after any pending update
+    def _weights(self, block: int) -> Tensor:
         if self.layout.compute_dtype == torch.float32:
-            return flat
-        slot = torch.empty(self.layout.block_bytes[block], dtype=torch.uint8, device=flat.device)
-        self.layout.copy_in(block, flat.view(torch.float32), slot)
+            return super()._weights(block)
+        shard = self.store.shard
+        pieces = self._pieces.get(block) or self._pieces.setdefault(block, self._cut(block))
+        width = max(_packed_bytes(rank_pieces) for rank_pieces in pieces)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        lo, hi = shard.owned(self.store.blocks[block])
+        if hi > lo:
+            with self.store.pinned(block, "param", span=(lo, hi)) as own:  # after the pending update
+                for run, a, b, at in pieces[shard.rank]:
+                    mine[at : at + (b - a) * run.dtype.itemsize].view(run.dtype).copy_(own[a - lo : b - lo])
+        gathered = torch.empty(width * shard.world, dtype=torch.uint8)
+        _all_gather(gathered, mine)
+        self.stats.add(gathered_bytes=gathered.nbytes - mine.nbytes)
+        slot = torch.empty(self.layout.block_bytes[block], dtype=torch.uint8)
+        for rank, rank_pieces in enumerate(pieces):
+            for run, a, b, at in rank_pieces:
+                start, size = run.offset + (a - run.start) * run.dtype.itemsize, (b - a) * run.dtype.itemsize
+                slot[start : start + size] = gathered[rank * width + at : rank * width + at + size]
         return slot
+
+    def _cut(self, block: int) -> list[list[tuple[Run, int, int, int]]]:
+        """Per rank, the parts of ``block``'s slot runs its share holds: ``(run, first, end, byte offset in
+        what the rank sends)``, each part aligned there for its dtype."""
+        spec, pieces = self.store.blocks[block], []
+        for rank in range(self.store.shard.world):
+            lo, hi = Shard(rank, self.store.shard.world).owned(spec)
+            rank_pieces, at = [], 0
+            for run in self.layout.runs[block]:
+                a, b = max(run.start, lo), min(run.end, hi)
+                if a < b:
+                    rank_pieces.append((run, a, b, at))
+                    at = -(-(at + (b - a) * run.dtype.itemsize) // _PIECE_ALIGN) * _PIECE_ALIGN
+            pieces.append(rank_pieces)
+        return pieces
 
     def view(self, block: int, index: int, slot: Tensor) -> Tensor:
         return self.layout.view(block, index, slot)
+
+
+def _packed_bytes(pieces: list[tuple[Run, int, int, int]]) -> int:
+    if not pieces:
+        return 0
+    run, a, b, at = pieces[-1]
+    return at + (b - a) * run.dtype.itemsize
 
 
 class ShardedGrads(HostGrads):

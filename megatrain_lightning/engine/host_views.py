@@ -7,6 +7,11 @@ of the block is done (as a load would wait for it), so nothing is copied (``h2d_
 no slot memory exists. The store's version gate still holds: an update may start only once the block
 is released (the engine submits it after the block's last use), and a block whose version moved on
 while it was acquired raises at ``release``, as a slot does. Only the compute thread calls it.
+
+In bf16 (``bf16-mixed``, ``bf16-true``) the host tier keeps a bf16 shadow of the weights a slot holds in
+bf16, which the update rewrites with the weights; :class:`ShadowViews` binds those and the fp32 weights of
+the rest in place, both from one buffer per block, so that every saved view of the block is of one storage,
+as of a slot.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import time
 import torch
 from torch import Tensor
 
+from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import Trace
-from megatrain_lightning.store.host import HostStore
+from megatrain_lightning.store.host import HostStore, shadow_index
 from megatrain_lightning.telemetry.stats import EngineStats
 
 
@@ -39,11 +45,15 @@ class HostViews:
         """``block``'s master weights (the store's flat buffer as bytes), pinned until ``release``."""
         start = time.perf_counter()
         self.trace.access((block, backward))
-        flat = self.store.read(block, "param")  # waits for the block's pending update
+        weights = self._weights(block)
         pins, version = self._held.get(block, (0, self.store.version(block)))
         self._held[block] = (pins + 1, version)
         self.stats.add(fetch_wait_s=time.perf_counter() - start)
-        return flat.view(torch.uint8)
+        return weights
+
+    def _weights(self, block: int) -> Tensor:
+        """``block``'s weights as bytes, once its pending update is done (the store's read waits for it)."""
+        return self.store.read(block, "param").view(torch.uint8)
 
     def view(self, block: int, index: int, flat: Tensor) -> Tensor:
         """Parameter ``index`` of ``block`` in its acquired buffer, shaped."""
@@ -62,3 +72,27 @@ class HostViews:
 
     def close(self) -> None:
         """Nothing to stop: no worker threads."""
+
+
+class ShadowViews(HostViews):
+    """bf16 compute on the CPU: a block computes on its weights' bf16 shadow (the weights a slot would hold
+    in bf16, as the update wrote them) and on its fp32 weights for the rest, bound in place from the store's
+    joint buffer (:meth:`~megatrain_lightning.store.host.HostStore.joined`): nothing is copied, and the
+    values are those a slot would hold, so results are bitwise the slot path's."""
+
+    def __init__(self, store: HostStore, stats: EngineStats, layout: SlotLayout) -> None:
+        super().__init__(store, stats)
+        self.layout = layout
+
+    def _weights(self, block: int) -> Tensor:
+        return self.store.joined(block)  # after the pending update, the shadow current
+
+    def view(self, block: int, index: int, joint: Tensor) -> Tensor:
+        spec, dtype = self.store.blocks[block].params[index], self.layout.dtypes[block][index]
+        if dtype == torch.float32:
+            start = 4 * spec.offset
+        else:
+            start = 4 * self.store.blocks[block].numel + 2 * shadow_index(
+                self.layout.shadow_runs[block], spec.offset
+            )
+        return joint[start : start + spec.numel * dtype.itemsize].view(dtype).view(spec.shape)

@@ -57,7 +57,7 @@ from megatrain_lightning.engine.distributed import (
     ShardedHostStore,
 )
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.engine.host_views import HostViews
+from megatrain_lightning.engine.host_views import HostViews, ShadowViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
@@ -95,21 +95,15 @@ class EngineConfig:
 
     @property
     def binds_store(self) -> bool:
-        """Whether blocks compute on the store's fp32 buffers themselves, not on slot copies: the CPU with
-        fp32 compute and the host tier (:mod:`.host_views`)."""
-        return (
-            self.zero_copy
-            and self.device.type == "cpu"
-            and self.compute_dtype == torch.float32
-            and not self.mixed_precision
-            and self.offload_dir is None
-        )
+        """Whether blocks compute on the store's buffers themselves, not on slot copies: the CPU with the
+        host tier (the fp32 weights; in bf16 the bf16 shadow where a slot holds bf16, :mod:`.host_views`)."""
+        return self.zero_copy and self.device.type == "cpu" and self.offload_dir is None
 
     @property
     def keeps_shadow(self) -> bool:
-        """Whether the host tier keeps a bf16 shadow of the weights for the device's slots (store/host.py)."""
+        """Whether the host tier keeps a bf16 shadow of the weights for the device (store/host.py)."""
         narrow = self.compute_dtype != torch.float32 or self.mixed_precision
-        return self.offload_dir is None and not self.binds_store and narrow and self.shard is None
+        return self.offload_dir is None and narrow and self.shard is None
 
     def make_store(self, blocks: list[Block], stats: EngineStats) -> HostStore:
         if self.offload_dir is None:
@@ -214,9 +208,12 @@ class Engine:
         if config.shard is not None:
             return GatheredViews(self.store, self.stats, layout)
         # Slots on the host tier copy the bf16 runs rounded already (the disk tier's convert the fp32 read).
-        self.store.define_shadow(layout.shadow_runs if config.keeps_shadow else None)
+        shadow = layout.shadow_runs if config.keeps_shadow else None
+        self.store.define_shadow(shadow, joined=config.binds_store)
         if config.binds_store:
-            return HostViews(self.store, self.stats)
+            return (
+                ShadowViews(self.store, self.stats, layout) if shadow else HostViews(self.store, self.stats)
+            )
         pools = slot_pools(layout.block_bytes) if config.slot_pools is None else config.slot_pools
         return Pager(self.store, config.device, layout, pools, config.prefetch_depth, self.stats)
 

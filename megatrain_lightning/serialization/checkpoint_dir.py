@@ -41,8 +41,10 @@ class CheckpointDir:
     manifest: dict[str, Any]
 
     @classmethod
-    def verify(cls, path: str | os.PathLike) -> CheckpointDir:
-        """Open a checkpoint after checking every file's size and checksum."""
+    def verify(cls, path: str | os.PathLike, share: tuple[int, int] | None = None) -> CheckpointDir:
+        """Open a checkpoint after checking every file's size and checksum; ``share=(rank, ranks)``: the
+        checksums of every ``ranks``-th file only, from the ``rank``-th (the ranks of a data-parallel
+        run divide the reading, :func:`.ranked.verify`)."""
         path = os.fspath(path)
         recover(path)
         if not os.path.isdir(path):
@@ -62,10 +64,13 @@ class CheckpointDir:
             ) from err
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path}/{MANIFEST} does not describe a megatrain checkpoint.")
-        for relpath, info in manifest["files"].items():
+        rank, ranks = share or (0, 1)
+        for i, (relpath, info) in enumerate(sorted(manifest["files"].items())):
             file = os.path.join(path, relpath)
             if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
                 raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
+            if i % ranks != rank:
+                continue
             try:
                 point("ckpt.read", file)
                 digest = sha256_file(file)

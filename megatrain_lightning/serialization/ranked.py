@@ -13,7 +13,7 @@ on every rank, so none waits for the others. Loading puts the pieces together
 from __future__ import annotations
 
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
@@ -25,7 +25,11 @@ from megatrain_lightning.serialization.checkpoint import (
     write_rest,
     write_share,
 )
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
 from megatrain_lightning.serialization.publish import CheckpointIOError, CheckpointWriter
+
+if TYPE_CHECKING:
+    from megatrain_lightning.engine.distributed import Shard
 
 
 def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
@@ -62,6 +66,28 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
             failure = err
             shutil.rmtree(writer.tmp, ignore_errors=True)
     _from_first(failure, None, path)
+
+
+def verify(path: str, shard: Shard | None) -> CheckpointDir:
+    """:meth:`CheckpointDir.verify`; data parallel, with the checksums divided among the ranks (each reads
+    1/world of the files) and collective: if any rank finds a file missing or corrupt, every rank raises,
+    naming it."""
+    if shard is None:
+        return CheckpointDir.verify(path)
+    ckpt, failure = None, None
+    try:
+        ckpt = CheckpointDir.verify(path, share=(shard.rank, shard.world))
+    except Exception as err:
+        failure = err
+    reasons: list[str | None] = [None] * shard.world
+    dist.all_gather_object(reasons, None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    for rank, reason in enumerate(reasons):
+        if reason is not None:
+            raise CheckpointError(f"{reason} (found by rank {rank})")
+    assert ckpt is not None
+    return ckpt
 
 
 def _from_first(failure: BaseException | None, value: Any, path: str) -> Any:

@@ -74,6 +74,8 @@ class HostStore:
         self.pin_memory = pin_memory
         self.stats = stats or EngineStats()
         self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._joints: dict[int, Tensor] = {}  # block -> its weights and shadow in one buffer (``joined``)
+        self._joined_shadow = False
         self._pool: dict[tuple[torch.dtype, int], list[Tensor]] = {}  # free POOLED_KINDS buffers by size
         self._kinds: dict[str, tuple[torch.dtype, Callable[[Block], int], Span]] = {}
         self._lock = threading.Lock()
@@ -91,17 +93,22 @@ class HostStore:
         (default: the same range). Over a block's ``spans`` these ranges must cover the buffer in order."""
         self._kinds[kind] = (dtype, numel, span or _same_span)
 
-    def define_shadow(self, runs: list[Runs] | None) -> None:
+    def define_shadow(self, runs: list[Runs] | None, joined: bool = False) -> None:
         """Keep a bf16 shadow of each block's element ranges ``runs[block]`` (the weights that are bf16 on the
-        device), or none (``None``). Buffers of another definition are freed; the new ones are filled from
-        the weights when first read. Not while updates run."""
+        device), or none (``None``); ``joined``: each block's shadow right after its weights in one buffer
+        (:meth:`joined`). Buffers of another definition are freed; the new ones are filled from the weights
+        when first read. Not while updates run."""
         runs = [list(r) for r in runs] if runs and any(runs) else None
-        if runs == self._shadow_runs:
+        joined = joined and runs is not None
+        if (runs, joined) == (self._shadow_runs, self._joined_shadow):
             return
         with self._lock:
             for key in [key for key in self._buffers if key[1] == SHADOW]:
                 del self._buffers[key]
-            self._shadow_runs = runs
+            for block in list(self._joints):  # the weights move to a buffer of their own
+                self._buffers[(block, "param")] = self._buffers[(block, "param")].clone()
+                del self._joints[block]
+            self._shadow_runs, self._joined_shadow = runs, joined
             if runs is None:
                 self._kinds.pop(SHADOW, None)
                 return
@@ -249,6 +256,16 @@ class HostStore:
             self._rebuild_shadow(block)
         return self._buffer(block, kind)
 
+    def joined(self, block: int) -> Tensor:
+        """``block``'s weights and, right after them, its shadow, as the bytes of one buffer (the CPU computes
+        on both, bound in place: one storage, as a device slot is), once the block's announced change is
+        done and its shadow current."""
+        if not self._joined_shadow or not self.shadow_runs(block):
+            return self.read(block, "param").view(torch.uint8)
+        self.read(block, SHADOW)  # after the change; rebuilds a stale shadow
+        with self._lock:
+            return self._join(block)
+
     def read_span(self, block: int, kind: str, span: tuple[int, int]) -> Tensor:
         """A copy of block elements ``span`` of ``kind`` (one parameter's values)."""
         with self.pinned(block, kind, span=span) as flat:
@@ -277,10 +294,14 @@ class HostStore:
 
     def nbytes(self, *kinds: str) -> int:
         """Bytes of host memory the store holds (for ``kinds``, or all): whole pages, as allocated (and
-        page-locked, for pinned weights)."""
-        held = sum(
-            b.untyped_storage().nbytes() for (_, k), b in self._buffers.items() if not kinds or k in kinds
-        )
+        page-locked, for pinned weights); of a joint buffer, each kind's part."""
+        joints = {joint.untyped_storage().data_ptr() for joint in list(self._joints.values())}
+
+        def size(b: Tensor) -> int:
+            storage = b.untyped_storage()
+            return b.nbytes if storage.data_ptr() in joints else storage.nbytes()
+
+        held = sum(size(b) for (_, k), b in list(self._buffers.items()) if not kinds or k in kinds)
         if kinds and POOLED_KINDS.isdisjoint(kinds):
             return held
         return held + sum(b.untyped_storage().nbytes() for pool in self._pool.values() for b in pool)
@@ -308,7 +329,11 @@ class HostStore:
         if buf is None:
             with self._lock:
                 buf = self._buffers.get(key)
-                if buf is None:
+                joined = self._joined_shadow and kind in ("param", SHADOW) and self.shadow_runs(block)
+                if buf is None and joined:
+                    self._join(block)
+                    buf = self._buffers[key]
+                elif buf is None:
                     dtype, numel = self.layout(block, kind)
                     pool = self._pool.get((dtype, numel)) if kind in POOLED_KINDS else None
                     # Only weights cross to the device; gradients and optimizer state stay pageable.
@@ -316,6 +341,24 @@ class HostStore:
                     buf = pool.pop() if pool else host_empty(numel, dtype, pinned)  # new: zeros
                     self._buffers[key] = buf
         return buf
+
+    def _join(self, block: int) -> Tensor:
+        """(Lock held.) ``block``'s joint buffer, made on first use: fp32 weights (moved in if they exist)
+        then the shadow, padded to whole fp32 elements; a shadow view made here is stale until rebuilt."""
+        split = 4 * self.blocks[block].numel  # bytes of weights, then of the shadow
+        end = split + 2 * self.layout(block, SHADOW)[1]
+        joint = self._joints.get(block)
+        if joint is None:
+            joint = host_empty(-(-end // 4) * 4, torch.uint8, self.pin_memory)
+            weights = self._buffers.get((block, "param"))
+            if weights is not None:
+                joint[:split].view(torch.float32).copy_(weights)
+            self._buffers[(block, "param")] = joint[:split].view(torch.float32)
+            self._joints[block] = joint
+        if (block, SHADOW) not in self._buffers:
+            self._buffers[(block, SHADOW)] = joint[split:end].view(torch.bfloat16)
+            self._stale_shadows.add(block)
+        return joint
 
     def _rebuild_shadow(self, block: int) -> None:
         """Make ``block``'s shadow its weights rounded, if stale or not there (after the block's change)."""
