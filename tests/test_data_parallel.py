@@ -545,36 +545,40 @@ def test_a_span_read_across_ranks_is_the_owners_bits() -> None:
     assert sorted(results.get(timeout=5) for _ in ranks) == [(0, True, True), (1, True, True)]
 
 
-def _gather_bf16_on_rank(rank: int, port: str, results: Any) -> None:
+def _gather_bf16_on_rank(rank: int, port: str, blocks: list[Any], results: Any) -> None:
     import torch.distributed as dist
 
     from megatrain_lightning.engine.distributed import GatheredViews, Shard, ShardedHostStore
     from megatrain_lightning.engine.slots import SlotLayout
     from megatrain_lightning.telemetry.stats import EngineStats
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    blocks = discover_blocks(tiny_model("gpt2"))  # fp32 norms and biases between bf16 weights
-    stats = EngineStats()
-    store = ShardedHostStore(Shard(rank, 2), blocks, stats, chunk_numel=1 << 20)
-    layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
-    views = GatheredViews(store, stats, layout)
-    same, least = [], 0
-    for block in blocks:
-        full = torch.randn(block.numel, generator=torch.Generator().manual_seed(block.index))
-        lo, hi = store.shard.owned(block)
-        with store.pinned(block.index, "param", write=True, span=(lo, hi)) as own:
-            own.copy_(full[lo:hi])
-        expected = torch.zeros(layout.block_bytes[block.index], dtype=torch.uint8)
-        layout.copy_in(block.index, full, expected)
-        gathered = views.acquire(block.index, backward=False)
-        views.release(block.index)
-        same += [
-            torch.equal(layout.view(block.index, i, gathered), layout.view(block.index, i, expected))
-            for i in range(len(block.params))
-        ]
-        least += sum(p.numel * layout.dtypes[block.index][i].itemsize for i, p in enumerate(block.params)) / 2
-    results.put((rank, all(same), stats.gathered_bytes / least))
-    dist.destroy_process_group()
+    torch.set_num_threads(1)  # a forked child must not start the OpenMP pool its parent has running
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        stats = EngineStats()
+        store = ShardedHostStore(Shard(rank, 2), blocks, stats, chunk_numel=1 << 20)
+        layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
+        views = GatheredViews(store, stats, layout)
+        same, least = [], 0.0
+        for block in blocks:
+            full = torch.randn(block.numel, generator=torch.Generator().manual_seed(block.index))
+            lo, hi = store.shard.owned(block)
+            with store.pinned(block.index, "param", write=True, span=(lo, hi)) as own:
+                own.copy_(full[lo:hi])
+            expected = torch.zeros(layout.block_bytes[block.index], dtype=torch.uint8)
+            layout.copy_in(block.index, full, expected)
+            gathered = views.acquire(block.index, backward=False)
+            views.release(block.index)
+            same += [
+                torch.equal(layout.view(block.index, i, gathered), layout.view(block.index, i, expected))
+                for i in range(len(block.params))
+            ]
+            dtypes = layout.dtypes[block.index]
+            least += sum(p.numel * dtypes[i].itemsize for i, p in enumerate(block.params)) / 2
+        results.put((rank, all(same), stats.gathered_bytes / least))
+        dist.destroy_process_group()
+    except Exception as err:  # reported, not lost in the child's stderr
+        results.put((rank, repr(err), 0.0))
 
 
 def test_ranks_gather_a_block_in_the_dtypes_it_computes_in() -> None:
@@ -583,10 +587,11 @@ def test_ranks_gather_a_block_in_the_dtypes_it_computes_in() -> None:
     block's bytes in those dtypes (its share's padding and alignment aside), not half its fp32 bytes."""
     import torch.multiprocessing as mp
 
+    blocks = discover_blocks(tiny_model("gpt2"))  # fp32 norms and biases between bf16 weights
     context = mp.get_context("fork")
     results = context.Queue()
     port = os.environ["MASTER_PORT"]
-    ranks = [context.Process(target=_gather_bf16_on_rank, args=(r, port, results)) for r in range(2)]
+    ranks = [context.Process(target=_gather_bf16_on_rank, args=(r, port, blocks, results)) for r in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:

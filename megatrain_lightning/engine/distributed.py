@@ -185,12 +185,13 @@ class _ShardedStore:
         if hi > lo:
             with super().pinned(block, kind, span=(lo, hi)) as own:
                 mine[: own.numel()] = own
-        full = torch.empty(max(sizes) * self.shard.world, dtype=dtype)
+        width = max(sizes)
+        full = torch.empty(width * self.shard.world, dtype=dtype)
         _all_gather(full, mine)
         self.stats.add(gathered_bytes=full.nbytes - mine.nbytes)
         if len(set(sizes)) == 1:
             return full
-        return torch.cat([full[r * max(sizes) : r * max(sizes) + size] for r, size in enumerate(sizes)])
+        return torch.cat([full[rank * width : rank * width + size] for rank, size in enumerate(sizes)])
 
     def _kind_size(self, block: int, kind: str, rank: int) -> int:
         start, stop = self.block_kind_span(block, kind, self._share(block, rank))
@@ -239,7 +240,9 @@ class GatheredViews(HostViews):
         if self.layout.compute_dtype == torch.float32:
             return super()._weights(block)
         shard = self.store.shard
-        pieces = self._pieces.get(block) or self._pieces.setdefault(block, self._cut(block))
+        if block not in self._pieces:
+            self._pieces[block] = self._cut(block)
+        pieces = self._pieces[block]
         width = max(_packed_bytes(rank_pieces) for rank_pieces in pieces)
         mine = torch.zeros(width, dtype=torch.uint8)
         lo, hi = shard.owned(self.store.blocks[block])
