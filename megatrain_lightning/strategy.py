@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -409,14 +410,16 @@ class MegaTrainStrategy(RankedStrategy):
         ckpt = checkpoint.get("megatrain_checkpoint")
         if ckpt is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        checkpointing.load_weights(ckpt, self.engine, self.lightning_module)
+        load = functools.partial(checkpointing.load_weights, ckpt, self.engine, self.lightning_module)
+        ranked_checkpoint.on_every_rank(self.engine.config.shard, load)
         checkpointing.restore_rng(checkpoint, self.root_device)
         if checkpointing.SCHEDULE_KEY in checkpoint:  # absent in checkpoints of earlier versions
             self.engine.load_schedule_state(checkpoint[checkpointing.SCHEDULE_KEY])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        checkpointing.load_optimizer(checkpoint, self.engine, self.engine.optimizer)
+        load = functools.partial(checkpointing.load_optimizer, checkpoint, self.engine, self.engine.optimizer)
+        ranked_checkpoint.on_every_rank(self.engine.config.shard, load)
 
     # -- the end --
 

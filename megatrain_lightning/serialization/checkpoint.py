@@ -13,7 +13,8 @@ Layout of ``<name>.ckpt/``::
 
 Data parallel, each rank writes its share of every block (:mod:`.ranked`) to
 ``{model,optimizer}/block-NNNNN-rank-RRRRR-of-WWWWW.safetensors``, each tensor's piece named
-``<name>@<first element>`` (a flat range of it); :class:`.checkpoint_dir.CheckpointDir` puts them together.
+``<name>@<first element>/<elements of the whole>`` (a flat range of it);
+:class:`.checkpoint_dir.CheckpointDir` puts them together.
 
 Everything is written under ``<name>.ckpt.tmp-<pid>`` and renamed into place once complete, so
 a crash leaves the previous checkpoint intact and nothing that looks complete but is not (a crash
@@ -147,6 +148,11 @@ def write_rest(
     writer.lightning_state(lightning_state)
 
 
+def piece_name(name: str, first: int, whole: int) -> str:
+    """A data-parallel checkpoint's name for elements ``first...`` of tensor ``name`` (``whole`` elements)."""
+    return f"{name}@{first}/{whole}"
+
+
 def _owned(block: Block, shard: Shard | None) -> tuple[int, int]:
     """The elements of ``block`` this rank holds (one rank: all)."""
     return (0, block.numel) if shard is None else shard.owned(block)
@@ -154,14 +160,16 @@ def _owned(block: Block, shard: Shard | None) -> tuple[int, int]:
 
 def _write_weights(writer: CheckpointWriter, store: Any, block: Block, shard: Shard | None) -> None:
     """This rank's share of ``block``'s parameters, read a store chunk at a time (a block of a 7B model
-    is 0.8 GB in fp32): whole tensors, or (data parallel) each one's piece as ``<name>@<first element>``."""
+    is 0.8 GB in fp32): whole tensors, or (data parallel) each one's piece, named as :func:`piece_name`."""
     lo, hi = _owned(block, shard)
     pieces = [(p, max(p.offset, lo), min(p.offset + p.numel, hi)) for p in block.params]
-    pieces = sorted((piece for piece in pieces if piece[1] < piece[2]), key=lambda piece: piece[1])
+    # every parameter once: a rank writes its nonempty pieces, rank 0 also the empty parameters
+    pieces = [x for x in pieces if x[1] < x[2] or (x[0].numel == 0 and lo == 0)]
+    pieces.sort(key=lambda x: x[0].offset)
     declared = [
         (p.name, torch.float32, tuple(p.shape))
         if shard is None
-        else (f"{p.name}@{a - p.offset}", torch.float32, (b - a,))
+        else (piece_name(p.name, a - p.offset, p.numel), torch.float32, (b - a,))
         for p, a, b in pieces
     ]
     with writer.stream(_block_file("model", block.index, shard), declared) as out:
@@ -177,8 +185,8 @@ def _write_optimizer_state(
     writer: CheckpointWriter, optimizer: Any, block: Block, shard: Shard | None
 ) -> None:
     """This rank's share of ``block``'s optimizer state (each kind's flat buffer; data parallel: the part
-    its elements own, as ``<kind>@<first of the kind's elements>``) and the per-parameter step counts, read
-    a store chunk at a time."""
+    its elements own, named as :func:`piece_name`) and the per-parameter step counts, read a store chunk at
+    a time."""
     optimizer.wait(block.index)
     store, i = optimizer.store, block.index
     kinds = list(optimizer.state_kinds)
@@ -189,7 +197,8 @@ def _write_optimizer_state(
             declared.append((f"{i}:{kind}", *_flat(store.block_layout(i, kind))))
         else:
             start, stop = store.block_kind_span(i, kind, _owned(block, shard))
-            declared.append((f"{i}:{kind}@{start}", store.layout(i, kind)[0], (stop - start,)))
+            name = piece_name(f"{i}:{kind}", start, store.block_layout(i, kind)[1])
+            declared.append((name, store.layout(i, kind)[0], (stop - start,)))
     with writer.stream(
         _block_file("optimizer", i, shard), [*declared, (f"{i}:step", steps.dtype, tuple(steps.shape))]
     ) as out:
@@ -327,9 +336,13 @@ def optimizer_block(
 
 
 def checkpoint_bytes(engine: Any, optimizer: Any) -> int:
-    """The bytes a checkpoint's tensors take: fp32 weights, plus the optimizer state when it is saved."""
+    """The bytes a checkpoint's tensors take: fp32 weights, plus the optimizer state when it is saved
+    (data parallel: every rank's share)."""
     weights = sum(4 * p.numel for block in engine.blocks for p in block.params)
-    return weights + (optimizer.state_bytes() if optimizer is not None else 0)
+    if optimizer is None:
+        return weights
+    layouts = [optimizer.store.block_layout(b.index, k) for b in engine.blocks for k in optimizer.state_kinds]
+    return weights + sum(numel * dtype.itemsize for dtype, numel in layouts)
 
 
 def check_free_space(path: str, need_bytes: int) -> None:

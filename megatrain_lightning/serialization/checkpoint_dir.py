@@ -116,27 +116,31 @@ class CheckpointDir:
     def _assembled(
         self, entries: dict[str, TensorEntry], shapes: Mapping[str, tuple[int, ...]]
     ) -> dict[str, Any]:
-        """``entries`` with each rank's pieces (named ``<name>@<first element>``) as one tensor."""
+        """``entries`` with the ranks' pieces of each tensor (``<name>@<first element>/<elements of the
+        whole>``) as one, after checking that they make the whole of it."""
         whole: dict[str, Any] = {}
-        pieces: dict[str, list[tuple[int, TensorEntry]]] = {}
+        pieces: dict[str, list[tuple[int, int, TensorEntry]]] = {}
         for name, entry in entries.items():
-            base, at, first = name.rpartition("@")
-            if at and first.isdigit():
-                pieces.setdefault(base, []).append((int(first), entry))
+            base, at, where = name.rpartition("@")
+            first, _, size = where.partition("/")
+            if at and first.isdigit() and size.isdigit():
+                pieces.setdefault(base, []).append((int(first), int(size), entry))
             else:
                 whole[name] = entry
         for name, named in pieces.items():
-            parts = sorted((part for part in named if part[1].numel), key=lambda part: part[0])
-            ends = [first + piece.numel for first, piece in parts] or [0]
-            shape = shapes.get(name, (ends[-1],))
+            parts = sorted(((first, p) for first, _, p in named if p.numel), key=lambda part: part[0])
+            ends = [first + piece.numel for first, piece in parts]
+            size = named[0][1]
+            shape = shapes.get(name, (size,))
             if (
                 [first for first, _ in parts] != [0, *ends[:-1]][: len(parts)]
-                or ends[-1] != math.prod(shape)
-                or len({piece.dtype for _, piece in named}) > 1
+                or (ends[-1] if ends else 0) != size
+                or math.prod(shape) != size
+                or len({(s, p.dtype) for _, s, p in named}) > 1
             ):
                 raise CheckpointError(
                     f"{self.path}: the ranks' pieces of {name!r} do not make the whole tensor; the "
                     "checkpoint is incomplete and cannot be loaded."
                 )
-            whole[name] = PiecedEntry(named[0][1].dtype, shape, tuple(parts))
+            whole[name] = PiecedEntry(named[0][2].dtype, shape, tuple(parts))
         return whole

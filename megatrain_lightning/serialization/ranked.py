@@ -7,13 +7,15 @@ Rank 0 checks the space and opens the temporary directory; every rank writes its
 Lightning's state; once every rank reported its files written and synced, rank 0 adds them to the
 manifest and publishes the directory. A failure on any rank removes the temporary directory and raises
 on every rank, so none waits for the others. Loading puts the pieces together
-(:class:`.checkpoint_dir.CheckpointDir`): a checkpoint loads into any number of ranks.
+(:class:`.checkpoint_dir.CheckpointDir`): a checkpoint loads into any number of ranks, each reading its own
+share; its checks and loads are collective in the same way (:func:`on_every_rank`).
 """
 
 from __future__ import annotations
 
 import shutil
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +33,8 @@ from megatrain_lightning.serialization.publish import CheckpointIOError, Checkpo
 if TYPE_CHECKING:
     from megatrain_lightning.engine.distributed import Shard
 
+T = TypeVar("T")
+
 
 def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
     """Collective: every rank calls it with the same ``path``."""
@@ -40,7 +44,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
         try:
             check_free_space(path, checkpoint_bytes(engine, optimizer))
             writer = CheckpointWriter(path)
-        except Exception as err:
+        except BaseException as err:
             failure = err
     tmp = _from_first(failure, writer.tmp if writer is not None else None, path)
     writer = writer or CheckpointWriter(path, tmp)
@@ -48,7 +52,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
         write_share(writer, engine, optimizer)
         if first:
             write_rest(writer, engine, module, lightning_state, optimizer)
-    except Exception as err:
+    except BaseException as err:
         failure = err
     reports: list[Any] = [None] * engine.config.shard.world
     dist.all_gather_object(reports, (writer.files, _reason(failure)))
@@ -62,7 +66,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
             writer.files.update(files)
         try:
             writer.publish()
-        except Exception as err:
+        except BaseException as err:
             failure = err
             shutil.rmtree(writer.tmp, ignore_errors=True)
     _from_first(failure, None, path)
@@ -70,24 +74,26 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
 
 def verify(path: str, shard: Shard | None) -> CheckpointDir:
     """:meth:`CheckpointDir.verify`; data parallel, with the checksums divided among the ranks (each reads
-    1/world of the files) and collective: if any rank finds a file missing or corrupt, every rank raises,
-    naming it."""
+    1/world of the files), and collective (:func:`on_every_rank`)."""
+    share = None if shard is None else (shard.rank, shard.world)
+    return on_every_rank(shard, lambda: CheckpointDir.verify(path, share=share))
+
+
+def on_every_rank(shard: Shard | None, load: Callable[[], T]) -> T:
+    """``load`` (a part of loading a checkpoint) on this rank; data parallel, collective: if it fails on
+    any rank, every rank raises (its own error, or one naming the rank that failed), so that none goes on
+    to wait in a collective for a rank that stopped."""
     if shard is None:
-        return CheckpointDir.verify(path)
-    ckpt, failure = None, None
+        return load()
+    result, failure = None, None
     try:
-        ckpt = CheckpointDir.verify(path, share=(shard.rank, shard.world))
-    except Exception as err:
+        result = load()
+    except BaseException as err:
         failure = err
     reasons: list[str | None] = [None] * shard.world
-    dist.all_gather_object(reasons, None if failure is None else str(failure))
-    if failure is not None:
-        raise failure
-    for rank, reason in enumerate(reasons):
-        if reason is not None:
-            raise CheckpointError(f"{reason} (found by rank {rank})")
-    assert ckpt is not None
-    return ckpt
+    dist.all_gather_object(reasons, _reason(failure))
+    _raise_any(failure, reasons, None)
+    return cast(T, result)
 
 
 def _from_first(failure: BaseException | None, value: Any, path: str) -> Any:
@@ -98,18 +104,22 @@ def _from_first(failure: BaseException | None, value: Any, path: str) -> Any:
     return message[0]
 
 
-def _raise_any(failure: BaseException | None, reasons: list[str | None], path: str) -> None:
-    """Raise this rank's own error, else one naming the first rank that failed."""
-    if isinstance(failure, OSError):
-        raise_write_failure(failure, path)
+def _raise_any(failure: BaseException | None, reasons: list[str | None], writing: str | None) -> None:
+    """Raise this rank's own error, else one naming the first rank that failed (``reasons``, by rank), of
+    writing the checkpoint ``writing`` or (``None``) of loading one."""
+    if isinstance(failure, OSError) and writing is not None:
+        raise_write_failure(failure, writing)
     if failure is not None:
         raise failure
     for rank, reason in enumerate(reasons):
-        if reason is not None:
+        if reason is None:
+            continue
+        if writing is not None:
             raise CheckpointIOError(
                 f"megatrain: the checkpoint was not written: rank {rank} failed ({reason}); the previous "
                 "checkpoint there is unchanged."
             )
+        raise CheckpointError(f"megatrain: rank {rank} could not load the checkpoint: {reason}")
 
 
 def _reason(failure: BaseException | None) -> str | None:

@@ -64,7 +64,8 @@ class PiecedEntry:
 
     @property
     def path(self) -> str:
-        return os.path.dirname(self.pieces[0][1].path) if self.pieces else ""
+        """The file of the first piece (for messages)."""
+        return self.pieces[0][1].path if self.pieces else ""
 
     @property
     def numel(self) -> int:

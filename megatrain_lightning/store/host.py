@@ -106,7 +106,9 @@ class HostStore:
             for key in [key for key in self._buffers if key[1] == SHADOW]:
                 del self._buffers[key]
             for block in list(self._joints):  # the weights move to a buffer of their own
-                self._buffers[(block, "param")] = self._buffers[(block, "param")].clone()
+                weights = self._buffers[(block, "param")]
+                self._buffers[(block, "param")] = host_empty(weights.numel(), weights.dtype, self.pin_memory)
+                self._buffers[(block, "param")].copy_(weights)
                 del self._joints[block]
             self._shadow_runs, self._joined_shadow = runs, joined
             if runs is None:
@@ -294,7 +296,7 @@ class HostStore:
 
     def nbytes(self, *kinds: str) -> int:
         """Bytes of host memory the store holds (for ``kinds``, or all): whole pages, as allocated (and
-        page-locked, for pinned weights); of a joint buffer, each kind's part."""
+        page-locked, for pinned weights); of a joint buffer of weights and shadow, each one's bytes."""
         joints = {joint.untyped_storage().data_ptr() for joint in list(self._joints.values())}
 
         def size(b: Tensor) -> int:
@@ -311,10 +313,13 @@ class HostStore:
         be tried again (the disk tier refuses every pin after a failed read until then)."""
 
     def release_all_but(self, *kinds: str) -> None:
-        """Free every buffer not of ``kinds`` (the state of a run that ended). Without the lock, by single
+        """Free every buffer not of ``kinds`` (the state of a run that ended); a shadow in one buffer with
+        weights that stay stays too (its memory could not be freed alone). Without the lock, by single
         dict operations: this runs from a finalizer, which may interrupt any thread, even one holding it."""
+        joined = set(self._joints) if "param" in kinds else set()
         for key in [key for key in list(self._buffers) if key[1] not in kinds]:
-            self._buffers.pop(key, None)
+            if not (key[1] == SHADOW and key[0] in joined):
+                self._buffers.pop(key, None)
         self._pool = {}
 
     def flush(self) -> None:
