@@ -49,6 +49,29 @@ def test_fit_from_yaml_console_script(tmp_path):
     assert "class_path: megatrain_lightning.MegaTrainStrategy" not in (run_dir / "config.yaml").read_text()
 
 
+def test_two_devices_from_the_console_script_as_the_readme_launches_them(tmp_path):
+    """`--trainer.devices=2` with the strategy's default launcher (Lightning's, which runs the command again
+    for rank 1), as the README says: both ranks train, and the checkpoint holds each rank's files."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["MASTER_PORT"] = str(find_free_network_port())
+    cmd = [
+        "megatrain",
+        "fit",
+        "--config",
+        str(TINY_YAML),
+        "--trainer.devices=2",
+        "--trainer.max_steps=2",
+        *QUIET,
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoint = tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    ranks = {name.split("-of-")[0][-5:] for name in os.listdir(checkpoint / "model") if "-rank-" in name}
+    assert ranks == {"00000", "00001"}
+
+
 @pytest.fixture(autouse=True)
 def _no_pytest_argv(monkeypatch):
     """LightningCLI warns when sys.argv holds arguments besides ``args`` (here: pytest's)."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import UserLM, assert_same_training, tiny_model, token_batches, user_fit
+from conftest import UserLM, assert_same_training, quiet_trainer, tiny_model, token_batches, user_fit
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
@@ -291,6 +292,22 @@ def test_a_gradient_its_update_dropped_reads_none_not_zeros(tier, tmp_path):
     run = user_fit(tiny_model("llama"), MegaTrainStrategy(**kwargs))
     with pytest.warns(UserWarning, match="dropped once its update used it"):
         assert run.module.model.lm_head.weight.grad is None
+
+
+def test_validation_between_steps_says_nothing_about_gradients():
+    """Before each validation Lightning's ``on_validation_model_zero_grad`` reads every ``p.grad`` (to clear
+    it); the user read none, so megatrain warns of no dropped or copied gradient (the README's first run
+    validates every few steps)."""
+    batches = token_batches(4)
+    trainer = quiet_trainer(MegaTrainStrategy(), 4, [], val_check_interval=2, limit_val_batches=1)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=loader, val_dataloaders=loader)
+    assert trainer.global_step == 4 and "val_loss" in trainer.callback_metrics
+    assert [
+        str(w.message) for w in caught if "grad" in str(w.message) and "megatrain" in str(w.message)
+    ] == []
 
 
 class TwiceBackwardLM(UserLM):

@@ -13,6 +13,7 @@ behind the store's back (in-place ops), it raises an error that names megatrain 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -122,10 +123,17 @@ class ParamPlaceholder(Tensor):
 
     @property
     def grad(self) -> Tensor | None:  # type: ignore[override]
-        """A copy of the gradient accumulated in the store (warned once), ``None`` when there is none."""
-        grad = self._source.read_grad(self._block, self._index)
+        """A copy of the gradient accumulated in the store (warned once), ``None`` when there is none.
+        ``Module.zero_grad`` (which Lightning calls before each validation) reads it without a warning: it
+        only looks whether there is one to clear."""
+        quiet = sys._getframe(1).f_code is _ZERO_GRAD
+        with warnings.catch_warnings() if quiet else contextlib.nullcontext():
+            if quiet:
+                warnings.simplefilter("ignore")
+            grad = self._source.read_grad(self._block, self._index)
         if grad is not None:
-            _warn_grad_copy()
+            if not quiet:
+                _warn_grad_copy()
             return grad.to(self.device, self.dtype)
         return None
 
@@ -146,6 +154,7 @@ class ParamPlaceholder(Tensor):
 
 
 _METADATA_ONLY = {"dtype", "device", "layout", "non_blocking", "memory_format"}
+_ZERO_GRAD = nn.Module.zero_grad.__code__
 
 
 class _Converting(threading.local):
