@@ -39,8 +39,9 @@ Data parallel (``Machine.ranks_per_node`` ranks on each of ``Machine.nodes`` nod
 rank's. Each rank runs ``Workload``'s tokens, holds 1/ranks of the store, gradient sums and Adam state
 (plain AdamW under DDP: everything), and shares its node's RAM, disk, disk bandwidth and host AdamW with
 the node's other ranks. A fifth bound is the network: per micro-batch megatrain all-gathers each block
-twice (forward and backward) and reduce-scatters its gradients once, all in fp32
-(``engine/distributed.py``), of which a rank receives (ranks - 1)/ranks; DDP all-reduces the fp32
+twice (forward and backward), in the dtypes the block computes in (bf16 weights under bf16), and
+reduce-scatters its fp32 gradients once (``engine/distributed.py``), of which a rank receives
+(ranks - 1)/ranks; DDP all-reduces the fp32
 gradients once per step, ZeRO-Offload reduce-scatters gradients and all-gathers weights in the compute
 dtype.
 :func:`plan_for` is what the strategy calls to resolve ``"auto"`` options;
@@ -279,7 +280,7 @@ def _megatrain_row(
     n, ranks = shape.num_params, machine.ranks
     cd = DTYPE_BYTES[workload.compute_dtype]
     store = ((MASTER_BYTES + STATE_BYTES[compression]) * n + GRAD_BYTES * n) / ranks  # the rank's shard
-    # The host tier's weights in the compute dtype (a sharded store keeps none: it gathers fp32).
+    # The host tier's weights in the compute dtype (a sharded store keeps none: ranks convert as they send).
     shadowed = shape.shadow_numel(cd) if ranks == 1 else 0
     shadow = shadowed * cd
     staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
@@ -307,7 +308,8 @@ def _megatrain_row(
     # The shard's traffic: the least traffic scales with the store and cache (traffic.py).
     moved = sum(disk_traffic(shape, compression, micro, cache * ranks)) / ranks if tier == "disk" else 0.0
     disk_s = moved / (machine.disk_gbps / machine.ranks_per_node * GB)
-    network = micro * (2 * machine.received(MASTER_BYTES * n) + machine.received(GRAD_BYTES * n))
+    computed = shape.shadow_numel(cd) * cd + (n - shape.shadow_numel(cd)) * MASTER_BYTES  # a gather's bytes
+    network = micro * (2 * machine.received(computed) + machine.received(GRAD_BYTES * n))
     settings = Settings(tier, pools, max(num_slots - 1, 1), cache / GB, budget / GB)
     row = (gpu, host, disk_need, fits, compute_s, link_s, disk_s, update_s, network, machine, settings)
     return _row(f"megatrain {compression}", *row)
