@@ -23,7 +23,7 @@ from torch import Tensor
 
 from megatrain_lightning.engine.slots import SlotLayout
 from megatrain_lightning.engine.trace import Trace
-from megatrain_lightning.store.host import HostStore, shadow_index
+from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.telemetry.stats import EngineStats
 
 
@@ -82,17 +82,22 @@ class ShadowViews(HostViews):
 
     def __init__(self, store: HostStore, stats: EngineStats, layout: SlotLayout) -> None:
         super().__init__(store, stats)
+        self._starts = [  # per block and parameter, its first byte in the joint buffer
+            [
+                store.joint_offset(b.index, p.offset, dtype != torch.float32)
+                for p, dtype in zip(b.params, layout.dtypes[b.index], strict=True)
+            ]
+            for b in store.blocks
+        ]
         self.layout = layout
 
     def _weights(self, block: int) -> Tensor:
         return self.store.joined(block)  # after the pending update, the shadow current
 
     def view(self, block: int, index: int, joint: Tensor) -> Tensor:
-        spec, dtype = self.store.blocks[block].params[index], self.layout.dtypes[block][index]
-        if dtype == torch.float32:
-            start = 4 * spec.offset
-        else:
-            start = 4 * self.store.blocks[block].numel + 2 * shadow_index(
-                self.layout.shadow_runs[block], spec.offset
-            )
+        spec, dtype, start = (
+            self.store.blocks[block].params[index],
+            self.layout.dtypes[block][index],
+            self._starts[block][index],
+        )
         return joint[start : start + spec.numel * dtype.itemsize].view(dtype).view(spec.shape)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import COMPRESSIONS
-from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError, piece_name
 from megatrain_lightning.serialization.hf import hf_model
 from megatrain_lightning.serialization.publish import (
     CheckpointIOError,
@@ -146,11 +146,6 @@ def write_rest(
         }
     writer.text("README.txt", README)
     writer.lightning_state(lightning_state)
-
-
-def piece_name(name: str, first: int, whole: int) -> str:
-    """A data-parallel checkpoint's name for elements ``first...`` of tensor ``name`` (``whole`` elements)."""
-    return f"{name}@{first}/{whole}"
 
 
 def _owned(block: Block, shard: Shard | None) -> tuple[int, int]:

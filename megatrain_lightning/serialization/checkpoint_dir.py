@@ -35,6 +35,12 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
+def piece_name(name: str, first: int, whole: int) -> str:
+    """A data-parallel checkpoint's name for elements ``first...`` of tensor ``name`` (``whole`` elements):
+    what :meth:`CheckpointDir._assembled` reads back."""
+    return f"{name}@{first}/{whole}"
+
+
 @dataclass(frozen=True)
 class CheckpointDir:
     path: str

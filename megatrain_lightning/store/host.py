@@ -268,6 +268,12 @@ class HostStore:
         with self._lock:
             return self._join(block)
 
+    def joint_offset(self, block: int, element: int, shadowed: bool) -> int:
+        """The byte in :meth:`joined`'s buffer where weight ``element`` (``shadowed``: its bf16 copy) sits."""
+        if not shadowed:
+            return 4 * element
+        return 4 * self.blocks[block].numel + 2 * shadow_index(self.shadow_runs(block), element)
+
     def read_span(self, block: int, kind: str, span: tuple[int, int]) -> Tensor:
         """A copy of block elements ``span`` of ``kind`` (one parameter's values)."""
         with self.pinned(block, kind, span=span) as flat:
@@ -350,8 +356,8 @@ class HostStore:
     def _join(self, block: int) -> Tensor:
         """(Lock held.) ``block``'s joint buffer, made on first use: fp32 weights (moved in if they exist)
         then the shadow, padded to whole fp32 elements; a shadow view made here is stale until rebuilt."""
-        split = 4 * self.blocks[block].numel  # bytes of weights, then of the shadow
-        end = split + 2 * self.layout(block, SHADOW)[1]
+        numel = self.blocks[block].numel
+        split, end = self.joint_offset(block, numel, False), self.joint_offset(block, numel, True)
         joint = self._joints.get(block)
         if joint is None:
             joint = host_empty(-(-end // 4) * 4, torch.uint8, self.pin_memory)
