@@ -1,4 +1,5 @@
-"""Data parallel on the CPU (gloo): one rank against two, side by side in one run (issue 16).
+"""Data parallel: one rank against two, side by side in one run (issue 16); on the CPU (gloo, forked ranks)
+or with ``--accelerator cuda`` on two GPUs (NCCL gathers and reduce-scatters, spawned ranks).
 
 The same Llama (``--size`` preset, or a small one with ``--quick``), in ``--precision`` (fp32 by
 default), trains on one rank with ``2 x --batch`` rows per step and on two forked ranks with ``--batch``
@@ -9,8 +10,10 @@ sharded step needs: every block gathered for its forward and again for its backw
 reduce-scattered once, of which a rank receives (world - 1)/world of the model's bytes in the dtype moved
 (the gathers in the dtypes the blocks compute in, bf16 weights under bf16-mixed; the gradients in fp32);
 the store bytes each rank holds against the one rank's; the losses' agreement; and step times (two ranks
-on a 2-core machine share its cores: a CPU run shows the bytes, not a speed-up).
-``python benchmarks/bench_parallel.py --quick`` is a smoke run.
+on a 2-core machine share its cores: a CPU run shows the bytes, not a speed-up). ``--on-demand`` also
+runs two ranks that gather each block only when it is needed (``prefetch_depth=0``): the step-time ratio
+shows what gathering ahead along the trace buys. ``benchmarks/gpu_check.py``'s ``parallel`` part runs the
+same comparison on two GPUs. ``python benchmarks/bench_parallel.py --quick`` is a smoke run.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -71,6 +75,7 @@ class RankReport(L.Callback):
             "moved": self.moved,
             "losses": self.losses,
             "store_bytes": trainer.strategy.engine.store.nbytes(),
+            "gathers_ahead": trainer.strategy.stats.gathers_ahead,
             "world": trainer.world_size,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
@@ -100,13 +105,16 @@ def train(
     ranks: int,
     out: Path,
     precision: str,
+    accelerator: str = "cpu",
+    **options: Any,
 ) -> None:
-    """Fit a copy of ``model`` on ``ranks`` ranks, one step per ``batch`` rows of each rank."""
+    """Fit a copy of ``model`` on ``ranks`` ranks, one step per ``batch`` rows of each rank (forked on the
+    CPU; spawned on CUDA, which a forked process cannot use once its parent has); ``options``: the
+    strategy's."""
     out.mkdir(parents=True, exist_ok=True)
-    strategy = (
-        MegaTrainStrategy(start_method="fork", timeout=timedelta(minutes=5)) if ranks > 1 else "megatrain"
-    )
-    quiet = {**trainer_kwargs("cpu", precision), "devices": ranks}
+    start_method = "fork" if accelerator == "cpu" else "spawn"
+    strategy = MegaTrainStrategy(start_method=start_method, timeout=timedelta(minutes=5), **options)
+    quiet = {**trainer_kwargs(accelerator, precision), "devices": ranks}
     trainer = L.Trainer(
         strategy=strategy, max_steps=len(data) // (batch * ranks), callbacks=[RankReport(out)], **quiet
     )
@@ -133,6 +141,75 @@ def per_step(report: dict[str, Any], warmup: int) -> dict[str, float]:
     }
 
 
+@dataclass
+class Comparison:
+    """One rank against ``WORLD``: per-step medians and what each rank held and moved."""
+
+    model_bytes: int
+    gather_least: float  # bytes a rank receives at least per gather of the whole model (compute dtypes)
+    reduce_least: float  # ... per reduce-scatter of the fp32 gradients
+    one: dict[str, Any]  # the one-rank run's report
+    ranks: list[dict[str, Any]]  # each rank's report
+    demand: list[dict[str, Any]]  # each rank's report of the run that gathers on demand (if it ran)
+    warmup: int
+
+    def step(self, report: dict[str, Any]) -> dict[str, float]:
+        return per_step(report, self.warmup)
+
+    @property
+    def loss_diff(self) -> float:
+        """The largest relative difference of the losses (the ranks' mean) from the one rank's."""
+        pairs = zip(self.one["losses"], self.ranks[0]["losses"], strict=True)
+        return max(abs(a - b) / abs(a) for a, b in pairs)
+
+    def gathered_ratio(self, report: dict[str, Any]) -> float:
+        return self.step(report)["gathered"] / (2 * self.gather_least)
+
+    def reduced_ratio(self, report: dict[str, Any]) -> float:
+        return self.step(report)["reduce_scattered"] / self.reduce_least
+
+    def store_ratio(self, report: dict[str, Any]) -> float:
+        return report["store_bytes"] / self.one["store_bytes"]
+
+
+def compare(
+    config: Any,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    precision: str,
+    accelerator: str = "cpu",
+    on_demand: bool = False,
+    log: Callable[[str], None] = print,
+    header: Callable[[int], None] = lambda model_bytes: None,
+) -> Comparison:
+    """Train ``config``'s model on one rank and on ``WORLD`` ranks (the same global batches); ``on_demand``:
+    also on ``WORLD`` ranks that gather no block ahead (``prefetch_depth=0``)."""
+    model = build_model(config)
+    model_bytes, _, _ = block_bytes(model)
+    header(model_bytes)
+    data = rows(config.vocab_size, (warmup + steps) * batch * WORLD, seq)
+    with tempfile.TemporaryDirectory() as folder:
+        log("one rank ...")
+        ordered = [data[i] for i in dealt_order(len(data))]
+        train(model, ordered, WORLD * batch, 1, Path(folder, "one"), precision, accelerator)
+        backend = "gloo, forked" if accelerator == "cpu" else "NCCL, spawned"
+        log(f"{WORLD} ranks ({backend}) ...")
+        train(model, data, batch, WORLD, Path(folder, "two"), precision, accelerator)
+        if on_demand:
+            log(f"{WORLD} ranks gathering on demand ...")
+            train(model, data, batch, WORLD, Path(folder, "demand"), precision, accelerator, prefetch_depth=0)
+        one, two, demand = (
+            [json.loads(path.read_text()) for path in sorted(Path(folder, run).glob("rank*.json"))]
+            for run in ("one", "two", "demand")
+        )
+    share = (WORLD - 1) / WORLD  # what a rank receives of one gather (or reduce-scatter) of all
+    return Comparison(
+        model_bytes, compute_bytes(model, precision) * share, model_bytes * share, one[0], two, demand, warmup
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="170m", help="Llama shape for llama_config (ignored with --quick)")
@@ -144,50 +221,49 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, 2 GPUs")
+    parser.add_argument(
+        "--on-demand", action="store_true", help="also two ranks gathering each block only when needed"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     config = bench_config(args.quick, args.size)
-    model = build_model(config)
-    model_bytes, _, _ = block_bytes(model)
-    data = rows(config.vocab_size, (args.warmup + args.steps) * args.batch * WORLD, args.seq)
+    result = compare(
+        config, args.batch, args.seq, args.steps, args.warmup, args.precision, args.accelerator,
+        on_demand=args.on_demand, log=lambda line: print(line, flush=True),
+        header=lambda model_bytes: print(
+            f"model: {model_bytes / 4 / 1e6:.1f}M parameters, {model_bytes / 1e9:.3f} GB fp32; "
+            f"{args.warmup} warm-up + {args.steps} timed steps of {WORLD * args.batch} x {args.seq} tokens; "
+            f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}",
+            flush=True,
+        ),
+    )  # fmt: skip
     print(
-        f"model: {model_bytes / 4 / 1e6:.1f}M parameters, {model_bytes / 1e9:.3f} GB fp32; "
-        f"{args.warmup} warm-up + {args.steps} timed steps of {WORLD * args.batch} x {args.seq} tokens; "
-        f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}",
-        flush=True,
+        f"\nleast a rank receives per step: gathers 2 x {result.gather_least / 1e9:.4f} GB, "
+        f"reduce-scatter {result.reduce_least / 1e9:.4f} GB"
     )
-    with tempfile.TemporaryDirectory() as folder:
-        print("one rank ...", flush=True)
-        ordered = [data[i] for i in dealt_order(len(data))]
-        train(model, ordered, WORLD * args.batch, 1, Path(folder, "one"), args.precision)
-        print(f"{WORLD} ranks (gloo, forked) ...", flush=True)
-        train(model, data, args.batch, WORLD, Path(folder, "two"), args.precision)
-        one = json.loads(Path(folder, "one", "rank0.json").read_text())
-        two = [json.loads(Path(folder, "two", f"rank{r}.json").read_text()) for r in range(WORLD)]
-    share = (WORLD - 1) / WORLD  # what a rank receives of one gather (or reduce-scatter) of all
-    least, gather_least = model_bytes * share, compute_bytes(model, args.precision) * share
+    print(f"{'run':<18} {'step s':>7} {'gathered GB':>12} {'/ least':>8} {'reduced GB':>11} {'/ least':>8} "
+          f"{'store GB':>9} {'/ one rank':>10} {'ahead':>6}")  # fmt: skip
+    print(f"{'one rank':<18} {result.step(result.one)['step_s']:7.3f} {0:12.4f} {'-':>8} {0:11.4f} {'-':>8} "
+          f"{result.one['store_bytes'] / 1e9:9.4f} {1:10.3f} {'-':>6}")  # fmt: skip
+    runs = [("", result.ranks)] + ([("on demand ", result.demand)] if result.demand else [])
+    for label, reports in runs:
+        for rank, report in enumerate(reports):
+            s = result.step(report)
+            print(
+                f"{f'{label}rank {rank}':<18} {s['step_s']:7.3f} "
+                f"{s['gathered'] / 1e9:12.4f} {result.gathered_ratio(report):8.3f} "
+                f"{s['reduce_scattered'] / 1e9:11.4f} {result.reduced_ratio(report):8.3f} "
+                f"{report['store_bytes'] / 1e9:9.4f} {result.store_ratio(report):10.3f} "
+                f"{report['gathers_ahead']:6d}"
+            )
+    if result.demand:
+        ratio = result.step(result.ranks[0])["step_s"] / result.step(result.demand[0])["step_s"]
+        print(f"\nstep time, gathered ahead / on demand (rank 0): {ratio:.3f}")
+    print(f"\nlosses, one rank:  {' '.join(f'{x:.6f}' for x in result.one['losses'])}")
     print(
-        f"\nleast a rank receives per step: gathers 2 x {gather_least / 1e9:.4f} GB, "
-        f"reduce-scatter {least / 1e9:.4f} GB"
-    )
-    print(f"{'run':<10} {'step s':>7} {'gathered GB':>12} {'/ least':>8} {'reduced GB':>11} {'/ least':>8} "
-          f"{'store GB':>9} {'/ one rank':>10}")  # fmt: skip
-    single = per_step(one, args.warmup)
-    print(f"{'one rank':<10} {single['step_s']:7.3f} {0:12.4f} {'-':>8} {0:11.4f} {'-':>8} "
-          f"{one['store_bytes'] / 1e9:9.4f} {1:10.3f}")  # fmt: skip
-    for rank, report in enumerate(two):
-        s = per_step(report, args.warmup)
-        print(
-            f"{f'rank {rank}':<10} {s['step_s']:7.3f} "
-            f"{s['gathered'] / 1e9:12.4f} {s['gathered'] / (2 * gather_least):8.3f} "
-            f"{s['reduce_scattered'] / 1e9:11.4f} {s['reduce_scattered'] / least:8.3f} "
-            f"{report['store_bytes'] / 1e9:9.4f} {report['store_bytes'] / one['store_bytes']:10.3f}"
-        )
-    diffs = [abs(a - b) / abs(a) for a, b in zip(one["losses"], two[0]["losses"], strict=True)]
-    print(f"\nlosses, one rank:  {' '.join(f'{x:.6f}' for x in one['losses'])}")
-    print(
-        f"losses, {WORLD} ranks: {' '.join(f'{x:.6f}' for x in two[0]['losses'])}   "
-        f"max rel. diff {max(diffs):.2g}"
+        f"losses, {WORLD} ranks: {' '.join(f'{x:.6f}' for x in result.ranks[0]['losses'])}   "
+        f"max rel. diff {result.loss_diff:.2g}"
     )
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 

@@ -1,4 +1,4 @@
-"""GPU checks of the megatrain strategy in one script (about 3-5 minutes on one GPU).
+"""GPU checks of the megatrain strategy in one script (about 3-5 minutes on one GPU, 1-2 more on two).
 
 1. ``parity``: the tiny Llama and the tiny GPT-2 (tied embeddings), 10 optimizer steps on ``cuda``,
    plain Lightning vs megatrain (its default budget; and two slots without activation
@@ -36,6 +36,10 @@
 10. ``disk``: the disk tier (4 MB chunks, a cache of half the weights): fp32 against plain Lightning,
    int4 state in fp32 and bf16-mixed bitwise the host tier's, and a checkpoint resumed by a fresh
    trainer bitwise the uninterrupted run.
+11. ``parallel`` (issue 16; needs two GPUs, SKIP otherwise): ``bench_parallel``'s one rank against two
+   (NCCL for the gathers and reduce-scatters, spawned ranks) in fp32 and bf16-mixed: losses as one rank's
+   with the doubled batch, each rank's collectives at the least bytes, its store about half, blocks
+   gathered ahead; step times of two ranks against one, and against two gathering on demand (info).
 
 A part that raises is one FAIL (its traceback printed) and the others still run; ``--deadline-s`` starts
 no part after that many seconds, so a lease's time limit still gets a summary. Without CUDA it says so and
@@ -80,6 +84,7 @@ from bench_engine import (
     make_batches,
     trainer_kwargs,
 )
+from bench_parallel import compare as compare_ranks
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -906,6 +911,48 @@ def bench(accelerator: str, steps: int = 4, batch: int = 8, seq: int = 512) -> l
     return [Check("bench: step-time ratios (informational)", True, detail)]
 
 
+def parallel(accelerator: str) -> list[Check]:
+    """``bench_parallel``'s comparison on two GPUs (NCCL; gloo for host tensors): one rank against two with
+    the same global batch, in fp32 and bf16-mixed; and two ranks gathering on demand."""
+    cuda = accelerator == "cuda"
+    if cuda and torch.cuda.device_count() < 2:
+        found = torch.cuda.device_count()
+        return [_skip("parallel: two ranks on two GPUs", f"needs two GPUs; this machine has {found}")]
+    checks = []
+    for precision, rtol in (("32-true", LOSS_RTOL if cuda else 1e-6), ("bf16-mixed", 1e-3 if cuda else 5e-5)):
+        result = compare_ranks(
+            bench_config(not cuda or SMALL),
+            batch=4 if cuda else 1,
+            seq=512 if cuda else 64,
+            steps=3,
+            warmup=1,
+            precision=precision,
+            accelerator=accelerator,
+            on_demand=True,
+        )
+        name = f"parallel: {precision}"
+        detail = f"max relative loss difference {result.loss_diff:.2g} (<= {rtol:g})"
+        checks.append(_report(Check(f"{name}: two ranks train as one", result.loss_diff <= rtol, detail)))
+        moved = [(result.gathered_ratio(r), result.reduced_ratio(r)) for r in result.ranks]
+        detail = ", ".join(f"rank {i}: gathered {g:.3f}, reduced {r:.3f}" for i, (g, r) in enumerate(moved))
+        least = all(1.0 <= x <= 1.05 for pair in moved for x in pair)
+        checks.append(_report(Check(f"{name}: each rank moves the least (x1.05)", least, detail)))
+        stores = [result.store_ratio(r) for r in result.ranks]
+        detail = ", ".join(f"{x:.3f}" for x in stores)
+        halved = max(stores) <= 0.55
+        checks.append(_report(Check(f"{name}: each rank's store <= 0.55 of one", halved, detail)))
+        ahead = [r["gathers_ahead"] for r in result.ranks]
+        checks.append(_report(Check(f"{name}: blocks gathered ahead", min(ahead) > 0, f"{ahead}")))
+        one, two, demand = (
+            result.step(r)["step_s"] for r in (result.one, *result.ranks[:1], *result.demand[:1])
+        )
+        detail = (
+            f"two ranks / one: {two / one:.3f} (same global batch), ahead / on demand: {two / demand:.3f}"
+        )
+        checks.append(_report(Check(f"{name}: step times (info)", True, detail)))
+    return checks
+
+
 PARTS: dict[str, Callable[[str], list[Check]]] = {
     "parity": parity,
     "ordering": ordering,
@@ -917,6 +964,7 @@ PARTS: dict[str, Callable[[str], list[Check]]] = {
     "disk": disk,
     "stream": stream,
     "bench": bench,
+    "parallel": parallel,
 }
 
 

@@ -117,7 +117,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
         compute_dtype=dtype,
         mixed_precision=mixed,
         slot_pools=pools,
-        prefetch_depth=max(num_slots - 1, 1) if auto_prefetch else strategy.prefetch_depth,
+        prefetch_depth=_auto_depth(strategy, num_slots) if auto_prefetch else strategy.prefetch_depth,
         activation_checkpointing=strategy.activation_checkpointing,
         pin_memory=strategy.root_device.type == "cuda",
         offload_dir=offload_dir,
@@ -127,6 +127,12 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
         zero_copy=strategy.zero_copy,
     )
     return config, created
+
+
+def _auto_depth(strategy: MegaTrainStrategy, num_slots: int) -> int:
+    """Blocks fetched ahead: as many as free slots hold; data parallel: one gather (each gathered block is
+    a buffer of its own outside the slots, as FSDP's prefetch of one)."""
+    return 1 if strategy.data_parallel else max(num_slots - 1, 1)
 
 
 def _plan(

@@ -15,7 +15,6 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
@@ -34,6 +33,15 @@ from megatrain_lightning.engine.runtime import EngineConfig
 from megatrain_lightning.store.preflight import missing_dirs
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+def backend_for(device: torch.device, asked: str | None) -> str:
+    """The default group's backend: gloo on the CPU; on CUDA NCCL for the device's tensors and gloo for the
+    host's, one group carrying both (``"cpu:gloo,cuda:nccl"``): the store's shards, checkpoint records and
+    clipping norms are exchanged on the host. A plain ``"nccl"`` is given gloo for the host so."""
+    if asked is None:
+        return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    return "cpu:gloo,cuda:nccl" if asked == "nccl" else asked
 
 
 class _RankLauncher(_MultiProcessingLauncher):
@@ -76,10 +84,6 @@ class RankedStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
 
-    def data_parallel_refusals(self) -> list[str]:
-        """What this run asks for that data parallel does not support, each with what to use instead."""
-        return []
-
     def rank_engine_config(
         self, config: EngineConfig, created_dirs: list[str]
     ) -> tuple[EngineConfig, list[str]]:
@@ -93,8 +97,13 @@ class RankedStrategy(ParallelStrategy):
             shared = sorted({path for paths in made for path in paths}, key=lambda p: -p.count(os.sep))
             offload_dir = os.path.join(offload_dir, f"rank{self.global_rank}")
             created_dirs = missing_dirs(offload_dir) + shared
-        shard = Shard(self.global_rank, self.world_size)
+        shard = Shard(self.global_rank, self.world_size, self._exchange_device())
         return dataclasses.replace(config, offload_dir=offload_dir, shard=shard), created_dirs
+
+    def _exchange_device(self) -> torch.device:
+        """Where the ranks exchange blocks: the GPU where NCCL carries its tensors, else the host (gloo)."""
+        nccl = "nccl" in (self._process_group_backend or "")
+        return self.root_device if self.root_device.type == "cuda" and nccl else torch.device("cpu")
 
     def release_disk_store(self) -> None:
         """Free what a rank holds outside the process (files) before it ends without finalizers."""
@@ -149,11 +158,11 @@ class RankedStrategy(ParallelStrategy):
         if not self.data_parallel:
             self._launcher = None
             return
-        refusals = self.data_parallel_refusals()
-        if refusals:
+        if self.root_device.type not in ("cpu", "cuda"):
             raise MisconfigurationException(
-                f"megatrain trains on {self.num_nodes * self.num_processes} devices on the CPU only so far; "
-                f"this run asks for {'; '.join(refusals)}. Or set `Trainer(devices=1, num_nodes=1)`."
+                f"megatrain trains on {self.num_nodes * self.num_processes} devices on CPUs (gloo) or CUDA "
+                f"GPUs (NCCL); this run asks for accelerator {self.root_device.type!r}. Use one of those, "
+                "or `Trainer(devices=1, num_nodes=1)`."
             )
         assert self.cluster_environment is not None
         if self._start_method == "popen":
@@ -169,9 +178,7 @@ class RankedStrategy(ParallelStrategy):
         if self.data_parallel:
             reset_seed()
             self.set_world_ranks()
-            backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-                self.root_device
-            )
+            backend = backend_for(self.root_device, self._process_group_backend)
             self._process_group_backend = backend
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
 

@@ -88,7 +88,8 @@ class MegaTrainStrategy(RankedStrategy):
         block_classes: classes (or class names) of the repeated layers; default: the Hugging Face
             model's ``_no_split_modules``.
         activation_checkpointing: keep only block-boundary activations and recompute each block in backward.
-        prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow).
+        prefetch_depth: how many blocks to fetch ahead of compute (``"auto"``: as many as free slots allow;
+            data parallel: one gathered ahead).
         optimizer_threads: worker threads for block updates; ``None``: one, or none on the CPU without
             ``offload_dir`` (each update then runs in the compute thread, see ``engine/threads.py``).
         io_threads: disk tier: blocks read or written at once.
@@ -100,7 +101,8 @@ class MegaTrainStrategy(RankedStrategy):
         start_method: how Lightning starts the ranks of one node with ``devices > 1``, as for DDP:
             ``"popen"`` (runs the script again per rank; also right under torchrun or SLURM), ``"spawn"``,
             ``"fork"`` or ``"forkserver"`` (``ddp_spawn``'s multiprocessing launcher).
-        process_group_backend: ``torch.distributed`` backend (default: gloo on the CPU).
+        process_group_backend: ``torch.distributed`` backend (default: gloo on the CPU; on CUDA
+            ``"cpu:gloo,cuda:nccl"``: NCCL gathers the blocks on the GPUs, gloo exchanges host tensors).
         timeout: how long a collective waits for the other ranks before it fails.
     """
 
@@ -164,13 +166,6 @@ class MegaTrainStrategy(RankedStrategy):
         self._checkpoint_size_logged = False
 
     # -- ranks (see megatrain_lightning.ranks) --
-
-    @override
-    def data_parallel_refusals(self) -> list[str]:
-        refusals = []
-        if self.root_device.type != "cpu":
-            refusals.append(f"accelerator {self.root_device.type!r} (use accelerator='cpu', gloo)")
-        return refusals
 
     @override
     def release_disk_store(self) -> None:

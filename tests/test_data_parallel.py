@@ -8,7 +8,7 @@ import copy
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer, tiny_model
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -26,7 +27,10 @@ from torch.utils.data import DataLoader
 from megatrain_lightning import MegaTrainStrategy, export_hf
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.chaos import enabled
+from megatrain_lightning.engine.distributed import Shard
+from megatrain_lightning.engine.runtime import EngineConfig
 from megatrain_lightning.optim.state_dict import block_state
+from megatrain_lightning.ranks import backend_for
 from megatrain_lightning.serialization.checkpoint import optimizer_block
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
 from megatrain_lightning.serialization.single_file import to_lightning
@@ -152,6 +156,8 @@ class RankProbe(L.Callback):
             "store_dir": getattr(store, "directory", None),
             "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
             "traffic": self.traffic,
+            "gathers_ahead": trainer.strategy.stats.gathers_ahead,
+            "accesses": len(trainer.strategy.engine.pager.trace.state_dict()["train"]),  # of a training pass
             "grad_norms": getattr(pl_module, "grad_norms", None),
             "optimizer_blocks": _optimizer_blocks(trainer),  # gathered from every rank's share
         }
@@ -523,100 +529,173 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
     assert time.monotonic() - start < 60
 
 
-def test_data_parallel_on_gpus_is_refused_before_training() -> None:
-    strategy = MegaTrainStrategy(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
-    with pytest.raises(MisconfigurationException, match="on the CPU only so far.*accelerator 'cuda'"):
+def test_blocks_are_gathered_ahead_along_the_trace_with_the_same_results(tmp_path: Path) -> None:
+    """Once a pass has been traced, acquiring a block starts the gather of the next one (every access of a
+    pass but its first is gathered ahead), and training is bitwise the run that gathers only on demand."""
+    model, steps = tiny_model("gpt2"), 3  # tied embeddings and head: a block used twice in a pass
+    (tmp_path / "ahead").mkdir(), (tmp_path / "demand").mkdir()
+    ahead, reports = _dp_fit(model, tmp_path / "ahead", steps)
+    on_demand, demand_reports = _dp_fit(
+        model, tmp_path / "demand", steps, strategy_kwargs=dict(prefetch_depth=0)
+    )
+    assert_same_training(on_demand, ahead, loss_rtol=0.0, param_atol=0.0)
+    for report, demand in zip(reports, demand_reports, strict=True):
+        assert report["gathers_ahead"] == (steps - 1) * (report["accesses"] - 1) > 0
+        assert demand["gathers_ahead"] == 0
+        assert report["traffic"] == demand["traffic"]  # nothing gathered twice
+
+
+def test_gpus_exchange_on_the_device_through_nccl_and_host_tensors_through_gloo() -> None:
+    """On CUDA the default group carries NCCL for device tensors and gloo for the host's (the store's
+    shards and records), and the ranks gather blocks on their GPU; on the CPU gloo alone."""
+    assert backend_for(torch.device("cuda", 0), None) == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("cuda", 0), "nccl") == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("cpu"), None) == "gloo"
+    assert backend_for(torch.device("cuda", 0), "gloo") == "gloo"
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    strategy = MegaTrainStrategy(parallel_devices=devices, cluster_environment=LightningEnvironment())
+    strategy._configure_launcher()  # not refused
+    strategy.set_world_ranks()
+    for backend, exchange in [("cpu:gloo,cuda:nccl", devices[0]), ("gloo", torch.device("cpu"))]:
+        strategy._process_group_backend = backend
+        config, _ = strategy.rank_engine_config(EngineConfig(device=devices[0]), [])
+        assert config.shard == Shard(0, 2, exchange)
+
+
+def test_data_parallel_on_other_accelerators_is_refused_before_training() -> None:
+    strategy = MegaTrainStrategy(parallel_devices=[torch.device("mps", 0), torch.device("mps", 1)])
+    with pytest.raises(
+        MisconfigurationException,
+        match="on CPUs .gloo. or CUDA GPUs .NCCL.; this run asks for accelerator 'mps'",
+    ):
         strategy._configure_launcher()
 
 
-def _read_span_on_rank(rank: int, port: str, results: Any) -> None:
+def _rank_main(rank: int, port: str, work: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     import torch.distributed as dist
 
-    from megatrain_lightning.engine.distributed import Shard, ShardedHostStore
-    from megatrain_lightning.store.layout import Block
-    from megatrain_lightning.telemetry.stats import EngineStats
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    block = Block(0, "b", numel=1000)
-    store = ShardedHostStore(Shard(rank, 2), [block], EngineStats(), chunk_numel=1 << 20)
-    lo, hi = store.shard.owned(block)
-    with store.pinned(0, "param", write=True, span=(lo, hi)) as own:
-        own.copy_(torch.full((hi - lo,), -0.0))
-        own[::3] = torch.arange(len(own[::3]), dtype=torch.float32) - 5
-    span, whole = store.read_span(0, "param", (0, 1000)), store.read(0, "param")
-    results.put(
-        (rank, torch.equal(span.view(torch.int32), whole.view(torch.int32)), bool(torch.signbit(span).any()))
-    )
-    dist.destroy_process_group()
+    torch.set_num_threads(1)  # a forked child must not start the OpenMP pool its parent has running
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        results.put((rank, work(rank, *args)))
+        dist.destroy_process_group()
+    except Exception as err:  # reported, not lost in the child's stderr
+        results.put((rank, repr(err)))
 
 
-def test_a_span_read_across_ranks_is_the_owners_bits() -> None:
-    """Checkpoints and ``p.grad`` read spans gathered from the ranks' shards: each element exactly as its
-    owner holds it, ``-0.0`` included (a float sum with the other ranks' zeros gives ``+0.0``)."""
+def _on_two_ranks(work: Callable[..., Any], *args: Any) -> list[Any]:
+    """``work(rank, *args)`` in two forked processes joined by a gloo group: what each returned (or the
+    error it raised), by rank."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("fork")
     results = context.Queue()
     port = os.environ["MASTER_PORT"]
-    ranks = [context.Process(target=_read_span_on_rank, args=(r, port, results)) for r in range(2)]
+    ranks = [context.Process(target=_rank_main, args=(rank, port, work, args, results)) for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:
         process.join(timeout=60)
-    assert sorted(results.get(timeout=5) for _ in ranks) == [(0, True, True), (1, True, True)]
+    return [result for _, result in sorted((results.get(timeout=5) for _ in ranks), key=lambda r: r[0])]
 
 
-def _gather_bf16_on_rank(rank: int, port: str, blocks: list[Any], results: Any) -> None:
-    import torch.distributed as dist
-
-    from megatrain_lightning.engine.distributed import GatheredViews, Shard, ShardedHostStore
-    from megatrain_lightning.engine.slots import SlotLayout
+def _sharded_store(rank: int, blocks: list[Any]) -> Any:
+    from megatrain_lightning.engine.distributed import Shard, ShardedHostStore
     from megatrain_lightning.telemetry.stats import EngineStats
 
-    torch.set_num_threads(1)  # a forked child must not start the OpenMP pool its parent has running
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        stats = EngineStats()
-        store = ShardedHostStore(Shard(rank, 2), blocks, stats, chunk_numel=1 << 20)
-        layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
-        views = GatheredViews(store, stats, layout)
-        same, least = [], 0.0
-        for block in blocks:
-            full = torch.randn(block.numel, generator=torch.Generator().manual_seed(block.index))
-            lo, hi = store.shard.owned(block)
-            with store.pinned(block.index, "param", write=True, span=(lo, hi)) as own:
-                own.copy_(full[lo:hi])
-            expected = torch.zeros(layout.block_bytes[block.index], dtype=torch.uint8)
-            layout.copy_in(block.index, full, expected)
-            gathered = views.acquire(block.index, backward=False)
-            views.release(block.index)
-            same += [
-                torch.equal(layout.view(block.index, i, gathered), layout.view(block.index, i, expected))
-                for i in range(len(block.params))
-            ]
-            dtypes = layout.dtypes[block.index]
-            least += sum(p.numel * dtypes[i].itemsize for i, p in enumerate(block.params)) / 2
-        results.put((rank, all(same), stats.gathered_bytes / least))
-        dist.destroy_process_group()
-    except Exception as err:  # reported, not lost in the child's stderr
-        results.put((rank, repr(err), 0.0))
+    return ShardedHostStore(Shard(rank, 2), blocks, EngineStats(), chunk_numel=1 << 20)
+
+
+def _write_own(store: Any, block: int, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the whole ``full`` written into its shard of ``block``; returns ``full``."""
+    lo, hi = store.shard.owned(store.blocks[block])
+    with store.pinned(block, "param", write=True, span=(lo, hi)) as own:
+        own.copy_(full[lo:hi])
+    return full
+
+
+def _read_span(rank: int) -> tuple[bool, bool]:
+    from megatrain_lightning.store.layout import Block
+
+    block = Block(0, "b", numel=1000)
+    store = _sharded_store(rank, [block])
+    whole = torch.full((1000,), -0.0)
+    whole[::3] = torch.arange(len(whole[::3]), dtype=torch.float32) - 5
+    _write_own(store, 0, whole)
+    span, read = store.read_span(0, "param", (0, 1000)), store.read(0, "param")
+    return torch.equal(span.view(torch.int32), read.view(torch.int32)), bool(torch.signbit(span).any())
+
+
+def test_a_span_read_across_ranks_is_the_owners_bits() -> None:
+    """Checkpoints and ``p.grad`` read spans gathered from the ranks' shards: each element exactly as its
+    owner holds it, ``-0.0`` included (a float sum with the other ranks' zeros gives ``+0.0``)."""
+    assert _on_two_ranks(_read_span) == [(True, True), (True, True)]
+
+
+def _gather_bf16(rank: int, blocks: list[Any]) -> tuple[bool, float]:
+    from megatrain_lightning.engine.gathers import GatheredBlocks
+    from megatrain_lightning.engine.slots import SlotLayout
+
+    store = _sharded_store(rank, blocks)
+    layout = SlotLayout(blocks, torch.bfloat16, mixed=True)
+    pager = GatheredBlocks(store, store.stats, layout, torch.device("cpu"), prefetch_depth=0)
+    same, least = [], 0.0
+    for block in blocks:
+        full = torch.randn(block.numel, generator=torch.Generator().manual_seed(block.index))
+        _write_own(store, block.index, full)
+        expected = torch.zeros(layout.block_bytes[block.index], dtype=torch.uint8)
+        layout.copy_in(block.index, full, expected)
+        gathered = pager.acquire(block.index, backward=False)
+        pager.release(block.index)
+        same += [
+            torch.equal(layout.view(block.index, i, gathered), layout.view(block.index, i, expected))
+            for i in range(len(block.params))
+        ]
+        dtypes = layout.dtypes[block.index]
+        least += sum(p.numel * dtypes[i].itemsize for i, p in enumerate(block.params)) / 2
+    return all(same), store.stats.gathered_bytes / least
 
 
 def test_ranks_gather_a_block_in_the_dtypes_it_computes_in() -> None:
     """Under bf16-mixed each rank sends its share as the slot holds it (bf16 weights, fp32 norms and
     biases): the gathered slot equals the single-rank one bit for bit, and a rank receives about half the
     block's bytes in those dtypes (its share's padding and alignment aside), not half its fp32 bytes."""
-    import torch.multiprocessing as mp
-
     blocks = discover_blocks(tiny_model("gpt2"))  # fp32 norms and biases between bf16 weights
-    context = mp.get_context("fork")
-    results = context.Queue()
-    port = os.environ["MASTER_PORT"]
-    ranks = [context.Process(target=_gather_bf16_on_rank, args=(r, port, blocks, results)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=60)
-    reports = sorted(results.get(timeout=5) for _ in ranks)
-    assert [(rank, same) for rank, same, _ in reports] == [(0, True), (1, True)]
-    assert all(1.0 <= received <= 1.1 for _, _, received in reports), reports
+    reports = _on_two_ranks(_gather_bf16, blocks)
+    assert [same for same, _ in reports] == [True, True], reports
+    assert all(1.0 <= received <= 1.1 for _, received in reports), reports
+
+
+def _stale_gather(rank: int, blocks: list[Any]) -> tuple[list[bool], int, int]:
+    from megatrain_lightning.engine.gathers import GatheredBlocks
+    from megatrain_lightning.engine.slots import SlotLayout
+
+    store = _sharded_store(rank, blocks)
+    pager = GatheredBlocks(store, store.stats, SlotLayout(blocks, torch.float32), torch.device("cpu"), 1)
+
+    def write(block: int, seed: int) -> torch.Tensor:
+        full = torch.randn(blocks[block].numel, generator=torch.Generator().manual_seed(seed))
+        return _write_own(store, block, full)
+
+    def use(block: int) -> torch.Tensor:
+        slot = pager.acquire(block, backward=False)
+        pager.release(block)
+        return slot.view(torch.float32)[: blocks[block].numel]
+
+    first, second = write(0, 0), write(1, 1)
+    pager.begin_pass("train")
+    seen = [torch.equal(use(0), first), torch.equal(use(1), second)]
+    pager.begin_pass("train")  # the trace now predicts block 1 after block 0
+    seen.append(torch.equal(use(0), first))
+    ahead = store.stats.gathers_ahead
+    store.will_change(1)  # an update of block 1 announced after its gather started
+    updated = write(1, 2)
+    seen.append(torch.equal(use(1), updated))
+    return seen, ahead, store.stats.gathers_ahead
+
+
+def test_a_gather_its_shards_update_overtook_is_dropped_and_the_block_gathered_again() -> None:
+    """A block gathered ahead whose shard changed after it was sent (the store's version moved on) is not
+    used: the next use gathers the updated weights, on every rank alike."""
+    blocks = discover_blocks(tiny_model("llama"))
+    assert _on_two_ranks(_stale_gather, blocks) == [([True] * 4, 1, 1), ([True] * 4, 1, 1)]

@@ -12,15 +12,17 @@ interfaces:
   weights, ``state_dict``) is an ``all_gather_into_tensor`` of the shards; a whole-block write (adopting
   weights) takes rank 0's block and keeps the own shard; loading a checkpoint writes each rank's own share
   alone (``rewriting`` with a ``span``).
-- :class:`GatheredViews`: the pager of a sharded engine: each acquire gathers the block (waiting for the
-  shard's pending update first), in the compute dtype.
+- :class:`~.gathers.GatheredBlocks`: the pager of a sharded engine: each use of a block gathers it, in the
+  compute dtype, started ahead along the trace.
 - :class:`ShardedGrads`: a call's gradients are ``reduce_scatter``ed (sum, then the mean Lightning's DDP
-  gives) and each rank adds its shard to its sums. In micro-batches that only accumulate they are summed
-  locally in full, without communication, and reduced once with the stepping micro-batch's.
+  gives) on the exchange device and each rank adds its shard to its host sums. In micro-batches that only
+  accumulate they are summed locally in full on the host, without communication, and reduced once with the
+  stepping micro-batch's.
 
-Every collective runs in the compute thread, in the order the model's forward and backward visit blocks,
-which is the same on every rank: a rank never reorders them by timing (nothing is prefetched; block
-updates and disk I/O in other threads touch only the own shard, and a gather waits for the shard's update).
+Every collective is issued in the compute thread, in the order the model's forward and backward visit
+blocks, which is the same on every rank: a rank never reorders them by timing (block updates and disk I/O
+in other threads touch only the own shard, and a gather waits for the shard's update). Host tensors go to
+gloo; on CUDA the default group also carries NCCL for device tensors (``cpu:gloo,cuda:nccl``).
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatrain_lightning.engine.grads import HostGrads
-from megatrain_lightning.engine.host_views import HostViews
-from megatrain_lightning.engine.slots import Run, SlotLayout
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.layout import Block, align_up, chunk_spans
@@ -45,15 +45,17 @@ from megatrain_lightning.telemetry.stats import EngineStats
 # ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are deprecated in favour of the ``_single``
 # collectives where those exist.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's place among ``world`` ranks (the default process group)."""
+    """This rank's place among ``world`` ranks (the default process group), and where the ranks exchange
+    blocks' weights and gradients: the GPU where NCCL carries device tensors, else the host (gloo)."""
 
     rank: int
     world: int
+    device: torch.device = torch.device("cpu")
 
     def size(self, block: Block) -> int:
         """Elements each rank holds of ``block``: an equal share, padded to whole ``ALIGN``s."""
@@ -65,7 +67,6 @@ class Shard:
         return min(start, block.numel), min(start + self.size(block), block.numel)
 
 
-_PIECE_ALIGN = 16  # bytes: where each part of a share's slot runs starts in what the rank sends
 _SAME_SIZE_INT = {8: torch.int64, 4: torch.int32}  # itemsize -> an integer dtype to sum bits in
 
 
@@ -187,7 +188,7 @@ class _ShardedStore:
                 mine[: own.numel()] = own
         width = max(sizes)
         full = torch.empty(width * self.shard.world, dtype=dtype)
-        _all_gather(full, mine)
+        all_gather(full, mine)
         self.stats.add(gathered_bytes=full.nbytes - mine.nbytes)
         if len(set(sizes)) == 1:
             return full
@@ -223,69 +224,6 @@ class ShardedDiskStore(_ShardedStore, DiskStore):
         return super()._chunks_in(block, (span[0] - lo, span[1] - lo))
 
 
-class GatheredViews(HostViews):
-    """The pager of a sharded engine: ``acquire`` gathers the block from every rank. In fp32 that is the
-    store's gathered buffer itself; otherwise each rank sends its share already in the slot's dtypes (half
-    the bytes in bf16: what goes over the network is what the device computes on), and the shares are put
-    into a slot laid out as the single-rank pager's."""
-
-    def __init__(
-        self, store: ShardedHostStore | ShardedDiskStore, stats: EngineStats, layout: SlotLayout
-    ) -> None:
-        super().__init__(store, stats)
-        self.layout = layout
-        self._pieces: dict[int, list[list[tuple[Run, int, int, int]]]] = {}
-
-    def _weights(self, block: int) -> Tensor:
-        if self.layout.compute_dtype == torch.float32:
-            return super()._weights(block)
-        shard = self.store.shard
-        if block not in self._pieces:
-            self._pieces[block] = self._cut(block)
-        pieces = self._pieces[block]
-        width = max(_packed_bytes(rank_pieces) for rank_pieces in pieces)
-        mine = torch.zeros(width, dtype=torch.uint8)
-        lo, hi = shard.owned(self.store.blocks[block])
-        if hi > lo:
-            with self.store.pinned(block, "param", span=(lo, hi)) as own:  # after the pending update
-                for run, a, b, at in pieces[shard.rank]:
-                    mine[at : at + (b - a) * run.dtype.itemsize].view(run.dtype).copy_(own[a - lo : b - lo])
-        gathered = torch.empty(width * shard.world, dtype=torch.uint8)
-        _all_gather(gathered, mine)
-        self.stats.add(gathered_bytes=gathered.nbytes - mine.nbytes)
-        slot = torch.empty(self.layout.block_bytes[block], dtype=torch.uint8)
-        for rank, rank_pieces in enumerate(pieces):
-            for run, a, b, at in rank_pieces:
-                start, size = run.offset + (a - run.start) * run.dtype.itemsize, (b - a) * run.dtype.itemsize
-                slot[start : start + size] = gathered[rank * width + at : rank * width + at + size]
-        return slot
-
-    def _cut(self, block: int) -> list[list[tuple[Run, int, int, int]]]:
-        """Per rank, the parts of ``block``'s slot runs its share holds: ``(run, first, end, byte offset in
-        what the rank sends)``, each part aligned there for its dtype."""
-        spec, pieces = self.store.blocks[block], []
-        for rank in range(self.store.shard.world):
-            lo, hi = Shard(rank, self.store.shard.world).owned(spec)
-            rank_pieces, at = [], 0
-            for run in self.layout.runs[block]:
-                a, b = max(run.start, lo), min(run.end, hi)
-                if a < b:
-                    rank_pieces.append((run, a, b, at))
-                    at = -(-(at + (b - a) * run.dtype.itemsize) // _PIECE_ALIGN) * _PIECE_ALIGN
-            pieces.append(rank_pieces)
-        return pieces
-
-    def view(self, block: int, index: int, slot: Tensor) -> Tensor:
-        return self.layout.view(block, index, slot)
-
-
-def _packed_bytes(pieces: list[tuple[Run, int, int, int]]) -> int:
-    if not pieces:
-        return 0
-    run, a, b, at = pieces[-1]
-    return at + (b - a) * run.dtype.itemsize
-
-
 class ShardedGrads(HostGrads):
     """Gradient sums of this rank's shards. ``reduce_at_once`` (set while the optimizer's step runs its
     closure, and in manual optimization): each offload is reduce-scattered at once, as under DDP; otherwise
@@ -301,11 +239,15 @@ class ShardedGrads(HostGrads):
         self._local: dict[int, tuple[Tensor, set[int]]] = {}  # block -> (full local sum, its indices)
 
     def offload(self, block: int, grads: dict[int, Tensor], final: bool, then: Callable[[], None]) -> None:
-        flat, present = self._local.pop(block, None) or (self._padded(block), set())
+        """Add ``grads`` to the block's full local sum: on the exchange device when it is reduced now, else on
+        the host (where it waits for the stepping micro-batch)."""
+        device = self.shard.device if self.reduce_at_once else torch.device("cpu")
+        local = self._local.pop(block, None)
+        flat, present = (local[0].to(device), local[1]) if local else (self._padded(block, device), set())
         params = self.store.blocks[block].params
         for index, grad in grads.items():
             part = flat[params[index].offset : params[index].offset + params[index].numel]
-            self._add_into(part, grad.reshape(-1), index in present)
+            self._add_into(part, grad.reshape(-1).to(device), index in present)
         present.update(grads)
         if not self.reduce_at_once:
             self._local[block] = (flat, present)
@@ -320,8 +262,9 @@ class ShardedGrads(HostGrads):
         pending[list(self._local)] = 1
         dist.all_reduce(pending, op=dist.ReduceOp.MAX)
         for block in pending.nonzero().flatten().tolist():
-            flat, present = self._local.pop(block, None) or (self._padded(block), set())
-            super().offload(block, self._reduce(block, flat, present), True, _nothing)
+            local = self._local.pop(block, None)
+            flat, present = local or (self._padded(block, self.shard.device), set())
+            super().offload(block, self._reduce(block, flat.to(self.shard.device), present), True, _nothing)
 
     def clear(self) -> None:
         try:
@@ -344,25 +287,27 @@ class ShardedGrads(HostGrads):
                         total += part.double().square().sum()
         return total
 
-    def _padded(self, block: int) -> Tensor:
-        return torch.zeros(self.shard.size(self.store.blocks[block]) * self.shard.world)
+    def _padded(self, block: int, device: torch.device) -> Tensor:
+        return torch.zeros(self.shard.size(self.store.blocks[block]) * self.shard.world, device=device)
 
     def _reduce(self, block: int, flat: Tensor, present: set[int]) -> dict[int, Tensor]:
-        """Reduce-scatter ``flat`` (this rank's full sum of ``block``) into the mean over ranks, written into
-        the own shard's place in ``flat``; returns the views of every parameter some rank has a gradient of
-        (only their own parts hold the mean: the store adds no other)."""
+        """Reduce-scatter ``flat`` (this rank's full sum of ``block``, on the exchange device) into the mean
+        over ranks, written into the own shard's place of a host buffer of the block's size; returns its views
+        of every parameter some rank has a gradient of (only their own parts hold the mean, and are written:
+        the store adds no other)."""
         spec = self.store.blocks[block]
         mask = torch.zeros(len(spec.params), dtype=torch.int32)
         mask[list(present)] = 1
         dist.all_reduce(mask, op=dist.ReduceOp.MAX)
         size = self.shard.size(spec)
-        mine = torch.empty(size)
+        mine = torch.empty(size, device=flat.device)
         _reduce_scatter(mine, flat, op=dist.ReduceOp.SUM)
         self.stats.add(reduce_scattered_bytes=flat.nbytes - mine.nbytes)
+        on_host = flat if flat.device.type == "cpu" else torch.empty(flat.numel())
         base = self.shard.rank * size
-        flat[base : base + size] = mine.div_(self.shard.world)
+        on_host[base : base + size] = mine.div_(self.shard.world)
         return {
-            i: flat[spec.params[i].offset : spec.params[i].offset + spec.params[i].numel].view(
+            i: on_host[spec.params[i].offset : spec.params[i].offset + spec.params[i].numel].view(
                 spec.params[i].shape
             )
             for i in mask.nonzero().flatten().tolist()

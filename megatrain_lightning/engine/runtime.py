@@ -50,12 +50,12 @@ from torch.utils._pytree import tree_flatten
 
 from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
 from megatrain_lightning.engine.distributed import (
-    GatheredViews,
     Shard,
     ShardedDiskStore,
     ShardedGrads,
     ShardedHostStore,
 )
+from megatrain_lightning.engine.gathers import GatheredBlocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews, ShadowViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
@@ -206,7 +206,7 @@ class Engine:
     def _make_pager(self, config: EngineConfig) -> Pager | HostViews:
         layout = SlotLayout(self.blocks, config.compute_dtype, config.mixed_precision)
         if config.shard is not None:
-            return GatheredViews(self.store, self.stats, layout)
+            return GatheredBlocks(self.store, self.stats, layout, config.device, config.prefetch_depth)
         # Slots on the host tier copy the bf16 runs rounded already (the disk tier's convert the fp32 read).
         shadow = layout.shadow_runs if config.keeps_shadow else None
         self.store.define_shadow(shadow, joined=config.binds_store)

@@ -28,6 +28,7 @@ class EngineStats:
     optimizer_state_bytes: int = 0  # bytes the store holds for Adam m, v and their scales
     gathered_bytes: int = 0  # data parallel: bytes of other ranks' shards received by all-gathers
     reduce_scattered_bytes: int = 0  # data parallel: bytes of other ranks' shares sent by reduce-scatters
+    gathers_ahead: int = 0  # data parallel: gathers started before their block was needed (the trace's)
 
     def add(self, **amounts: float) -> None:
         """Add to counters; any thread may (two bare ``+=`` at once can lose one of them)."""
