@@ -101,7 +101,7 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
             f"`max_vram_gb={strategy.max_vram_gb}` is smaller than the largest block "
             f"({layout.nbytes / _GB:.3g} GB on the device); raise it to at least that."
         )
-    if (serial := serial_blocks(layout.block_bytes, pools)) > 1:
+    if not strategy.data_parallel and (serial := serial_blocks(layout.block_bytes, pools)) > 1:
         overlap = sum(sorted(layout.block_bytes, reverse=True)[:OVERLAP])
         rank_zero_warn(
             f"megatrain: in the slot budget of {budget / _GB:.3g} GB, {serial} of the {len(blocks)} blocks "

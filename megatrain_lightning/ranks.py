@@ -4,6 +4,7 @@ runs: no launcher, no process group, and the collectives return their input."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -14,6 +15,7 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _init_dist_connection,
     _sync_ddp_if_available,
@@ -24,7 +26,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -97,6 +99,12 @@ class RankedStrategy(ParallelStrategy):
             shared = sorted({path for paths in made for path in paths}, key=lambda p: -p.count(os.sep))
             offload_dir = os.path.join(offload_dir, f"rank{self.global_rank}")
             created_dirs = missing_dirs(offload_dir) + shared
+        if not config.activation_checkpointing:
+            rank_zero_warn(
+                "megatrain: data parallel without activation checkpointing keeps every gathered block until "
+                "its backward: the whole model in the compute dtype on each device. "
+                "`activation_checkpointing=True` holds the block computing and the one gathered ahead."
+            )
         shard = Shard(self.global_rank, self.world_size, self._exchange_device())
         return dataclasses.replace(config, offload_dir=offload_dir, shard=shard), created_dirs
 
@@ -181,14 +189,23 @@ class RankedStrategy(ParallelStrategy):
             backend = backend_for(self.root_device, self._process_group_backend)
             self._process_group_backend = backend
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+            if "nccl" in backend:  # Lightning destroys the group at exit for a plain "nccl" only
+                atexit.register(_destroy_dist_connection)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor) and self.data_parallel:
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not (isinstance(tensor, Tensor) and self.data_parallel):
+            return tensor
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if mean and tensor.device.type == "cpu":
+            # gloo has no AVG, and Lightning sums and divides only where the group is plain "gloo", not
+            # "cpu:gloo,cuda:nccl" (integer tensors, e.g. a logged metric's batch count, would fail)
+            world = torch.distributed.get_world_size(group)
+            _sync_ddp_if_available(tensor, group, reduce_op="sum")
+            return tensor.div_(world) if torch.is_floating_point(tensor) else tensor.copy_(tensor / world)
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def barrier(self, name: str | None = None) -> None:

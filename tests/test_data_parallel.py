@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import signal
 import time
@@ -29,6 +30,7 @@ from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.chaos import enabled
 from megatrain_lightning.engine.distributed import Shard
 from megatrain_lightning.engine.runtime import EngineConfig
+from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.optim.state_dict import block_state
 from megatrain_lightning.ranks import backend_for
 from megatrain_lightning.serialization.checkpoint import optimizer_block
@@ -157,6 +159,7 @@ class RankProbe(L.Callback):
             "shard_bytes": sum(store.layout(b, "param")[1] * 4 for b in range(len(store.blocks))),
             "traffic": self.traffic,
             "gathers_ahead": trainer.strategy.stats.gathers_ahead,
+            "versions": [store.version(b) for b in range(len(store.blocks))],  # the same on every rank
             "accesses": len(trainer.strategy.engine.pager.trace.state_dict()["train"]),  # of a training pass
             "grad_norms": getattr(pl_module, "grad_norms", None),
             "optimizer_blocks": _optimizer_blocks(trainer),  # gathered from every rank's share
@@ -351,6 +354,10 @@ def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_o
         ]
     resumed = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
     assert resumed.losses == whole.losses[2:]
+    # a rank that holds nothing of a small block (the final norm) moves its version on loading as the
+    # other does: a gather's staleness is judged alike on every rank
+    versions = [torch.load(tmp_path / f"rank{rank}.pt")["versions"] for rank in (0, 1)]
+    assert versions[0] == versions[1]
     expected, actual = whole.state_dict(), resumed.state_dict()
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
     on_one = _epoch_fit(model, tmp_path, 1, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
@@ -529,6 +536,43 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
     assert time.monotonic() - start < 60
 
 
+def test_a_gradient_read_after_updates_that_end_at_different_times_is_collective_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's ``zero_grad`` before validation reads every ``p.grad`` (collective under data parallel)
+    while updates may still run in the update thread; rank 1's updates finish much later than rank 0's,
+    and both ranks still read, or skip, the same gradients (before: rank 0 skipped the gather of a block
+    whose update had ended, rank 1 waited in it until the timeout)."""
+    run = CPUAdamW._run
+
+    def slow_on_rank_1(self: CPUAdamW, *args: Any) -> None:
+        if torch.distributed.get_rank() == 1:
+            time.sleep(0.3)
+        run(self, *args)
+
+    monkeypatch.setattr(CPUAdamW, "_run", slow_on_rank_1)
+    start = time.monotonic()
+    _, reports = _dp_fit(
+        tiny_model("llama"), tmp_path, 2, validate=True, limit_val_batches=1, val_check_interval=1,
+        strategy_kwargs=dict(optimizer_threads=1),
+    )  # fmt: skip
+    assert reports[0]["losses"] == reports[1]["losses"] and time.monotonic() - start < 50
+
+
+def _mean_over_ranks(rank: int) -> tuple[torch.dtype, int, float]:
+    strategy = MegaTrainStrategy(parallel_devices=[torch.device("cpu")] * 2)
+    mean = functools.partial(strategy.reduce, reduce_op="mean")
+    whole, real = mean(torch.tensor(2 + rank)), mean(torch.tensor(2.0 + rank))
+    return whole.dtype, whole.item(), real.item()  # values: a tensor would outlive its process's memory
+
+
+def test_a_mean_of_host_tensors_is_taken_in_the_group_that_gpus_use() -> None:
+    """With ``cpu:gloo,cuda:nccl`` (the default on GPUs) host tensors go to gloo, which has no average:
+    ``sync_dist`` of an integer metric (a logged value's batch count) is summed and divided, as under
+    plain gloo (Lightning divides only where the group is plain ``gloo``)."""
+    assert _on_two_ranks(_mean_over_ranks, backend="cpu:gloo") == [(torch.int64, 2, 2.5)] * 2
+
+
 def test_blocks_are_gathered_ahead_along_the_trace_with_the_same_results(tmp_path: Path) -> None:
     """Once a pass has been traced, acquiring a block starts the gather of the next one (every access of a
     pass but its first is gathered ahead), and training is bitwise the run that gathers only on demand."""
@@ -571,27 +615,32 @@ def test_data_parallel_on_other_accelerators_is_refused_before_training() -> Non
         strategy._configure_launcher()
 
 
-def _rank_main(rank: int, port: str, work: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+def _rank_main(
+    rank: int, port: str, backend: str, work: Callable[..., Any], args: tuple[Any, ...], results: Any
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # a forked child must not start the OpenMP pool its parent has running
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         results.put((rank, work(rank, *args)))
         dist.destroy_process_group()
     except Exception as err:  # reported, not lost in the child's stderr
         results.put((rank, repr(err)))
 
 
-def _on_two_ranks(work: Callable[..., Any], *args: Any) -> list[Any]:
-    """``work(rank, *args)`` in two forked processes joined by a gloo group: what each returned (or the
-    error it raised), by rank."""
+def _on_two_ranks(work: Callable[..., Any], *args: Any, backend: str = "gloo") -> list[Any]:
+    """``work(rank, *args)`` in two forked processes joined by a ``backend`` group: what each returned (or
+    the error it raised), by rank."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("fork")
     results = context.Queue()
     port = os.environ["MASTER_PORT"]
-    ranks = [context.Process(target=_rank_main, args=(rank, port, work, args, results)) for rank in range(2)]
+    ranks = [
+        context.Process(target=_rank_main, args=(rank, port, backend, work, args, results))
+        for rank in range(2)
+    ]
     for process in ranks:
         process.start()
     for process in ranks:

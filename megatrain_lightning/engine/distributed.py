@@ -19,7 +19,8 @@ interfaces:
   accumulate they are summed locally in full on the host, without communication, and reduced once with the
   stepping micro-batch's.
 
-Every collective is issued in the compute thread, in the order the model's forward and backward visit
+Every collective is issued by the thread running the pass (the compute thread; in a GPU's backward
+autograd's, while the compute thread waits for it), in the order the model's forward and backward visit
 blocks, which is the same on every rank: a rank never reorders them by timing (block updates and disk I/O
 in other threads touch only the own shard, and a gather waits for the shard's update). Host tensors go to
 gloo; on CUDA the default group also carries NCCL for device tensors (``cpu:gloo,cuda:nccl``).
@@ -288,7 +289,8 @@ class ShardedGrads(HostGrads):
         return total
 
     def _padded(self, block: int, device: torch.device) -> Tensor:
-        return torch.zeros(self.shard.size(self.store.blocks[block]) * self.shard.world, device=device)
+        numel = self.shard.size(self.store.blocks[block]) * self.shard.world
+        return torch.zeros(numel, dtype=torch.float32, device=device)  # not the default dtype (bf16-true's)
 
     def _reduce(self, block: int, flat: Tensor, present: set[int]) -> dict[int, Tensor]:
         """Reduce-scatter ``flat`` (this rank's full sum of ``block``, on the exchange device) into the mean
@@ -300,10 +302,10 @@ class ShardedGrads(HostGrads):
         mask[list(present)] = 1
         dist.all_reduce(mask, op=dist.ReduceOp.MAX)
         size = self.shard.size(spec)
-        mine = torch.empty(size, device=flat.device)
+        mine = torch.empty(size, dtype=torch.float32, device=flat.device)
         _reduce_scatter(mine, flat, op=dist.ReduceOp.SUM)
         self.stats.add(reduce_scattered_bytes=flat.nbytes - mine.nbytes)
-        on_host = flat if flat.device.type == "cpu" else torch.empty(flat.numel())
+        on_host = flat if flat.device.type == "cpu" else torch.empty(flat.numel(), dtype=torch.float32)
         base = self.shard.rank * size
         on_host[base : base + size] = mine.div_(self.shard.world)
         return {

@@ -10,11 +10,12 @@ the slot itself. A slot lives as long as the use's views of it (the caching allo
 Gathers start ahead along the trace, as the single-rank pager's copies do: acquiring a block starts the
 gathers of the next ``prefetch_depth`` accesses the trace predicts (asynchronous collectives: the next
 block crosses the network while this one computes). Every rank must issue the same collectives in the same
-order, so gathers start only in the compute thread, in trace order, decided by the trace and the store's
-versions (both follow the program, not timing: an update announces itself where the backward submits it),
-never by what has finished. A gather never reaches past its pass: a block's update is submitted after its
-last use in the pass. One that its shard's update overtook all the same (the store's version moved on
-since it was sent: a prediction that failed) is dropped and the block gathered again, on every rank alike.
+order, so gathers start only in the thread running the pass, in trace order, decided by the trace and the
+store's versions (both follow the program, not timing: an update announces itself where the backward
+submits it), never by what has finished. A gather never reaches past its pass: a block's update is
+submitted after its last use in the pass. One that its shard's update overtook all the same (the store's
+version moved on since it was sent: a prediction that failed) is dropped and the block gathered again, on
+every rank alike.
 
 On CUDA the own share is packed in page-locked memory and copied up on a side stream, and the collective
 is issued there, so neither waits behind the compute stream's work; the compute stream waits for the
@@ -89,11 +90,13 @@ class GatheredBlocks(HostViews):
             gather = None
         if gather is None:
             gather = self._start(block)
-        for ahead, _ in self.trace.upcoming()[: self.prefetch_depth]:
-            if ahead not in self._in_flight:
-                self._in_flight[ahead] = self._start(ahead)
-                self.stats.add(gathers_ahead=1)
-        gather.work.wait()
+        try:
+            for ahead, _ in self.trace.upcoming()[: self.prefetch_depth]:
+                if ahead not in self._in_flight:
+                    self._in_flight[ahead] = self._start(ahead)
+                    self.stats.add(gathers_ahead=1)
+        finally:  # its buffer is not freed while the collective may still write it
+            gather.work.wait()
         return self._slot(block, gather.gathered).to(self.device)
 
     def _start(self, block: int) -> _Gather:

@@ -70,8 +70,11 @@ class HostGrads:
 
     def read(self, block: int, index: int) -> Tensor | None:
         """A copy of one parameter's gradient summed since ``clear``; ``None`` if it has none, or once its
-        update used it (never zeros for a sum that is gone)."""
+        update used it (never zeros for a sum that is gone). Waits for the block's pending update, if one
+        was submitted: whether the sums are gone then follows the program, not timing (under data
+        parallel the read is collective, and every rank must make the same choice)."""
         self.flush()
+        self.store.wait_for_change(block)
         if index not in self._present[block]:
             return None
         if block in self._consumed:

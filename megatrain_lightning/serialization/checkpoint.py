@@ -232,7 +232,8 @@ def _load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
     shard = engine.config.shard
     for block in engine.blocks:
         lo, hi = _owned(block, shard)
-        if lo == hi:  # a rank past a small block's end: nothing of it is here
+        if lo == hi:  # a rank past a small block's end: nothing of it is here, but its version moves on
+            engine.store.will_change(block.index)  # as the other ranks' (gathers check it alike)
             continue
         with engine.store.rewriting(block.index, span=None if shard is None else (lo, hi)) as flat:
             for spec in block.params:
