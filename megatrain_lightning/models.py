@@ -129,8 +129,8 @@ class CausalLMModule(L.LightningModule):
     def _shared_eval(self, batch: dict[str, torch.Tensor], prefix: str, metric: Perplexity) -> torch.Tensor:
         out = self(batch["input_ids"], labels=batch["labels"], attention_mask=batch.get("attention_mask"))
         metric(out.logits[:, :-1].float(), batch["labels"][:, 1:])
-        self.log(f"{prefix}_loss", out.loss, prog_bar=True)
-        self.log(f"{prefix}_ppl", metric)
+        self.log(f"{prefix}_loss", out.loss, prog_bar=True, sync_dist=True)  # the mean over ranks
+        self.log(f"{prefix}_ppl", metric)  # a torchmetrics metric syncs its own state
         return out.loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -49,15 +49,24 @@ def test_fit_from_yaml_console_script(tmp_path):
     assert "class_path: megatrain_lightning.MegaTrainStrategy" not in (run_dir / "config.yaml").read_text()
 
 
-def test_two_devices_from_the_console_script_as_the_readme_launches_them(tmp_path):
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        ["megatrain"],
+        ["torchrun", "--nproc_per_node=2", "--master_port={port}", "-m", "megatrain_lightning.cli"],
+    ],
+    ids=["console-script", "torchrun"],
+)
+def test_two_devices_from_the_console_script_as_the_readme_launches_them(tmp_path, launcher):
     """`--trainer.devices=2` with the strategy's default launcher (Lightning's, which runs the command again
-    for rank 1), as the README says: both ranks train, and the checkpoint holds each rank's files."""
+    for rank 1) and under torchrun (its processes are the ranks), as the README says: both ranks train,
+    and the checkpoint holds each rank's files."""
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["MASTER_PORT"] = str(find_free_network_port())
+    env["MASTER_PORT"] = port = str(find_free_network_port())
     cmd = [
-        "megatrain",
+        *(arg.format(port=port) for arg in launcher),
         "fit",
         "--config",
         str(TINY_YAML),

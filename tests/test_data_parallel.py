@@ -606,6 +606,15 @@ def test_gpus_exchange_on_the_device_through_nccl_and_host_tensors_through_gloo(
         assert config.shard == Shard(0, 2, exchange)
 
 
+def test_data_parallel_without_activation_checkpointing_warns_of_the_memory_it_holds() -> None:
+    strategy = MegaTrainStrategy(
+        parallel_devices=[torch.device("cpu")] * 2, cluster_environment=LightningEnvironment()
+    )
+    strategy.set_world_ranks()
+    with pytest.warns(UserWarning, match="keeps every gathered block until its backward"):
+        strategy.rank_engine_config(EngineConfig(torch.device("cpu"), activation_checkpointing=False), [])
+
+
 def test_data_parallel_on_other_accelerators_is_refused_before_training() -> None:
     strategy = MegaTrainStrategy(parallel_devices=[torch.device("mps", 0), torch.device("mps", 1)])
     with pytest.raises(
