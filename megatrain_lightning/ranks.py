@@ -199,7 +199,7 @@ class RankedStrategy(ParallelStrategy):
         if not (isinstance(tensor, Tensor) and self.data_parallel):
             return tensor
         mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-        if mean and tensor.device.type == "cpu":
+        if mean and tensor.device.type == "cpu" and _distributed_is_initialized():
             # gloo has no AVG, and Lightning sums and divides only where the group is plain "gloo", not
             # "cpu:gloo,cuda:nccl" (integer tensors, e.g. a logged metric's batch count, would fail)
             world = torch.distributed.get_world_size(group)
