@@ -24,6 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -139,6 +140,35 @@ def report_main(times: dict[str, list[float]], numel: int) -> dict[str, float]:
     return summary
 
 
+def bench_sources(numel: int, rounds: int, other: Path) -> None:
+    """This checkout's kernel against one built from ``other`` (an earlier ``quantized_adamw.cpp``): steps
+    of each format alternated on the same data; medians per element, their ratio, and whether the two
+    left the same parameters and state bit for bit."""
+    kernels, mine = {}, K._SOURCE
+    for name, source in (("this", mine), ("other", other)):
+        K._SOURCE, K._kernel, K._kernel_error = Path(source), None, None
+        kernels[name] = K.load_kernel()
+    print(f"\n{'step':<6} {'this ns/param':>14} {'other ns/param':>15} {'this / other':>13} {'bitwise':>8}")
+    g = torch.Generator().manual_seed(0)
+    param, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    for name, bits in MODES.items():
+        runs = {k: (param.clone(), codecs.empty_state(numel, bits)) for k in kernels}
+        times: dict[str, list[float]] = {k: [] for k in kernels}
+        for step in range(1, rounds + 2):
+            for k, kernel in kernels.items():
+                K._kernel = kernel
+                p, state = runs[k]
+                start = time.perf_counter()
+                Q.quantized_adamw_(p, grad, *state, bits=bits, step=step, use_kernel=True, **HP)
+                if step > 1:  # the first pages the state in
+                    times[k].append(time.perf_counter() - start)
+        this, that = (statistics.median(times[k]) * 1e9 / numel for k in kernels)
+        (p1, s1), (p2, s2) = runs.values()
+        same = torch.equal(p1, p2) and all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
+        print(f"{name:<6} {this:14.3f} {that:15.3f} {this / that:13.3f} {str(same):>8}")
+    K._SOURCE, K._kernel = mine, kernels["this"]
+
+
 # -- third-party optimizers --
 
 
@@ -226,8 +256,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--no-others", action="store_true", help="skip the third-party optimizers")
     parser.add_argument("--fallback", action="store_true", help="also time the pure-torch fallback once")
+    parser.add_argument(
+        "--vs-source", type=Path, help="only: this kernel against one built from this .cpp (A/B, bitwise)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.vs_source is not None:
+        bench_sources(args.numel, args.rounds, args.vs_source)
+        return
     start = time.perf_counter()
     build = timed(K.load_kernel)
     print(f"{args.numel / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, backend {K.backend()} "

@@ -109,6 +109,10 @@ def test_data_parallel_rows_are_one_ranks_share_with_the_network_as_a_bound():
     plan = plan_for("7b", node)
     megatrain, plain, zero = plan.row("megatrain none"), plan.row("plain AdamW"), plan.row("ZeRO-Offload")
     assert megatrain.fits and megatrain.settings.tier == "host"  # 8.4 GB of 64 x 0.9 (one rank alone: 121)
+    # no slots under data parallel: the block computing and the one gathered ahead, and the activations
+    act = activation_bytes(plan.model, plan.workload.micro_tokens, 2)
+    two_blocks = sum(sorted(plan.model.block_bytes(2))[-2:])
+    assert megatrain.gpu_gb == pytest.approx((two_blocks + act) / GB)
     assert megatrain.settings.cache_gb == pytest.approx(16 * N_7B / 16 / GB)
     assert megatrain.host_gb == pytest.approx((N_7B + STAGING_7B) / GB)
     assert zero.host_gb == pytest.approx(16 * N_7B / 16 / GB)

@@ -4,8 +4,10 @@
 // this file on first use), OpenMP across chunks, one contiguous range of chunks per thread.
 //
 // int8 has three code paths, chosen at compile time: AVX-512 (pass1_avx512 / pass2_avx512), AVX2 and
-// the portable scalar ``chunk8``. The table formats (int4, int3, int2) share ``tchunk``: AVX-512
-// lookups and searches where available, loops the compiler vectorizes otherwise. Every
+// the portable scalar ``chunk8``. The table formats (int4, int3, int2) share ``tchunk``: with AVX-512 a
+// first pass in registers (``tstage``: decode by in-register lookups, update, clean, block maxima), then
+// the codes (m by binary search, v from its exponent: ``count_above_log``); loops the compiler vectorizes
+// otherwise. Every
 // floating-point operation is mirrored one for one by the pure-torch fallback in quantized.py, so
 // all of them give bit-identical results: build with -ffp-contract=off and without -ffast-math (no
 // FMA contraction, no reassociation).
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -94,8 +97,8 @@ constexpr MTables<2> M2{};
 
 #if defined(__AVX512F__)
 // 16-lane copies of the tables for in-register lookups (permutexvar): decode tables padded with 0,
-// ascending m midpoints padded with 2 (above every normalized m), descending v thresholds padded with
-// -1 (below every normalized v).
+// ascending m midpoints padded with 2 (above every normalized m). (v's codes need no table to search:
+// ``count_above_log``.)
 template <int N, int L>
 struct Padded16 {
   alignas(64) float t[16];
@@ -105,28 +108,23 @@ struct Padded16 {
 };
 constexpr Padded16<16, 16> M4_DEC16(M4.decode, 0.0f), V4_DEC16(V4_DECODE, 0.0f);
 constexpr Padded16<4, 4> M2_DEC16(M2.decode, 0.0f), V2_DEC16(V2_DECODE, 0.0f);
-constexpr Padded16<15, 16> M4_MID16(M4.mid, 2.0f), V4_TH16(V4_TH, -1.0f);
-constexpr Padded16<3, 4> M2_MID16(M2.mid, 2.0f), V2_TH16(V2_TH, -1.0f);
+constexpr Padded16<15, 16> M4_MID16(M4.mid, 2.0f);
+constexpr Padded16<3, 4> M2_MID16(M2.mid, 2.0f);
 template <int W>
 inline __m512 m_decode16() { return _mm512_load_ps(W == 4 ? M4_DEC16.t : M2_DEC16.t); }
 template <int W>
 inline __m512 v_decode16() { return _mm512_load_ps(W == 4 ? V4_DEC16.t : V2_DEC16.t); }
 template <int W>
 inline __m512 m_mid16() { return _mm512_load_ps(W == 4 ? M4_MID16.t : M2_MID16.t); }
-template <int W>
-inline __m512 v_th16() { return _mm512_load_ps(W == 4 ? V4_TH16.t : V2_TH16.t); }
-// for stochastic rounding: the sorted m maps, their values above the lowest (padded with 2), and the v
-// maps' values below the largest (padded with -1)
+// for stochastic rounding: the sorted m maps and their values above the lowest (padded with 2)
 constexpr Padded16<16, 16> M4_SORT16(M4_SORTED, 0.0f);
 constexpr Padded16<4, 4> M2_SORT16(M2_SORTED, 0.0f);
-constexpr Padded16<15, 16> M4_ABOVE16(M4_SORTED + 1, 2.0f), V4_BELOW16(V4_DECODE + 1, -1.0f);
-constexpr Padded16<3, 4> M2_ABOVE16(M2_SORTED + 1, 2.0f), V2_BELOW16(V2_DECODE + 1, -1.0f);
+constexpr Padded16<15, 16> M4_ABOVE16(M4_SORTED + 1, 2.0f);
+constexpr Padded16<3, 4> M2_ABOVE16(M2_SORTED + 1, 2.0f);
 template <int W>
 inline __m512 m_sorted16() { return _mm512_load_ps(W == 4 ? M4_SORT16.t : M2_SORT16.t); }
 template <int W>
 inline __m512 m_above16() { return _mm512_load_ps(W == 4 ? M4_ABOVE16.t : M2_ABOVE16.t); }
-template <int W>
-inline __m512 v_below16() { return _mm512_load_ps(W == 4 ? V4_BELOW16.t : V2_BELOW16.t); }
 
 // Branchless binary search over L - 1 sorted thresholds (padded to 16): the number of leading
 // thresholds for which ``pred(y, threshold)`` holds, when it holds for a prefix of them.
@@ -139,6 +137,46 @@ inline __m512i count_prefix(__m512 y, __m512 th) {
     idx = _mm512_mask_add_epi32(idx, hit, idx, _mm512_set1_epi32(bit));
   }
   return idx;
+}
+
+// The log maps of v repeat per octave: at 4 bits two values (and two thresholds) in each octave below 1,
+// at 2 bits one every second octave. So how many of a map's descending values or thresholds lie above a
+// normalized y (0 <= y < 2, finite) follows from y's octave k (y in [2^-k, 2^(1-k)), k = 127 - exponent
+// field: large for 0 and subnormals) and compares of its mantissa with those of octave k's values: the
+// binary search's count without its lookups. ``from``: the octave of the first value counted; ``mants``:
+// the mantissas of octave k's values that can lie above y (a power of two in it never does); counts past
+// the map's end clamp to ``L - 1``. Bitwise the search's result (tests: kernel against fallback).
+template <int L, bool TWO_PER_OCTAVE>
+inline __m512i count_above_log(__m512 y, int from, std::initializer_list<uint32_t> mants) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i k = _mm512_sub_epi32(_mm512_set1_epi32(127), _mm512_srli_epi32(bits, 23));
+  const __m512i mant = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffff));
+  const __m512i octaves = _mm512_sub_epi32(k, _mm512_set1_epi32(from));  // wholly above y
+  __m512i count = TWO_PER_OCTAVE ? _mm512_slli_epi32(octaves, 1) : _mm512_srai_epi32(octaves, 1);
+  for (uint32_t m : mants) {
+    const __mmask16 above = _mm512_cmplt_epu32_mask(mant, _mm512_set1_epi32((int)m));
+    count = _mm512_mask_add_epi32(count, above, count, _mm512_set1_epi32(1));
+  }
+  return _mm512_min_epi32(_mm512_max_epi32(count, _mm512_setzero_si512()), _mm512_set1_epi32(L - 1));
+}
+inline uint32_t mantissa(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u & 0x7fffffu;
+}
+// The nearest v code: thresholds above y (4 bits: 0x1.ae89fa and 0x1.306fe0 times 2^-k from k = 1; 2 bits:
+// 2^-1, 2^-3, 2^-5).
+template <int W>
+inline __m512i v_nearest_code(__m512 y) {
+  if constexpr (W == 4) return count_above_log<16, true>(y, 1, {mantissa(V4_TH[0]), mantissa(V4_TH[1])});
+  else return count_above_log<4, false>(y, 0, {});
+}
+// Stochastic rounding's lower neighbour: the map's values below its largest that lie above y (4 bits:
+// 0x1.6a09e6 and 1 times 2^-k from k = 1; 2 bits: 2^-2, 2^-4, 2^-6).
+template <int W>
+inline __m512i v_values_above(__m512 y) {
+  if constexpr (W == 4) return count_above_log<16, true>(y, 1, {mantissa(V4_DECODE[1])});
+  else return count_above_log<4, false>(y, 1, {});
 }
 #endif
 template <int W>
@@ -261,11 +299,11 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, cons
                         uint8_t* __restrict out) {
   constexpr int L = VMap<W>::L;
 #if defined(__AVX512F__)
-  const __m512 table = v_decode16<W>(), below = v_below16<W>(), vinv = _mm512_set1_ps(inv);
+  const __m512 table = v_decode16<W>(), vinv = _mm512_set1_ps(inv);
   const __m512i last = _mm512_set1_epi32(L - 1), one = _mm512_set1_epi32(1);
   for (int i = 0; i < nb; i += 16) {
     const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(bits + i)), vinv);
-    const __m512i k = count_prefix<L, _CMP_LT_OQ>(y, below);  // values below the largest that are > y
+    const __m512i k = v_values_above<W>(y);  // values below the largest that are > y
     const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(k, one), last);
     const __m512 upper = _mm512_permutexvar_ps(k, table), lower = _mm512_permutexvar_ps(nx, table);
     const __mmask16 up = _mm512_cmp_ps_mask(
@@ -441,42 +479,85 @@ inline void pack_codes(const uint8_t* __restrict in, uint8_t* __restrict out) {
   }
 }
 
-// One chunk of a table format (m: MW-bit codes, blocks of MB; v: VW-bit log codes, blocks of VB), in
-// simple loops over fixed-size arrays that the compiler vectorizes (-O3, -march=native).
-template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
-inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
-                   float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs, const Hyper& h,
-                   int valid, int64_t base) {
-  constexpr int SUB = MB < VB ? MB : VB;  // elements sharing both scales
-  [[maybe_unused]] constexpr auto& MT = mtables<MW>();
-  alignas(64) float mn[CHUNK];
-  alignas(64) float vn[CHUNK];
-  alignas(64) uint32_t mab[CHUNK];
-  alignas(64) uint8_t mcu[CHUNK];
-  alignas(64) uint8_t vcu[CHUNK];
-#if !defined(__AVX512F__)
-  alignas(64) float y[CHUNK];      // normalized values to encode
-  alignas(64) int32_t idx[CHUNK];  // their codes
-#endif
-  alignas(64) float um[CHUNK];  // stochastic rounding's uniform numbers (when h.sr_m / h.sr_v)
-  alignas(64) float uv[CHUNK];
-  if (h.sr_m || h.sr_v) draws(base, h, um, uv);
-  unpack_codes<MW>(mc, mcu);
-  unpack_codes<VW>(vc, vcu);
+// A table-format chunk's new moments after its update, cleaned (NaN -> 0, magnitudes at most CLAMP; v's
+// negatives -> 0), as bits: m's magnitude with its sign, v's value; and per block the maxima its scales
+// come from: m's largest magnitude and largest positive value, v's largest value (at least V_FLOOR).
+struct TStaged {
+  alignas(64) uint32_t m[CHUNK];
+  alignas(64) uint32_t v[CHUNK];
+  uint32_t m_abs[CHUNK / 16], m_pos[CHUNK / 16], v_max[CHUNK / 16];  // per block (blocks of >= 16)
+};
 
-  // decode the tables by selects over codes (no gathers: slow on CPUs with the gather-data-sampling
-  // mitigation), then update (fp32) and write the parameter
 #if defined(__AVX512F__)
-  {
-    const __m512 mt = m_decode16<MW>(), vt = v_decode16<VW>();
-    for (int i = 0; i < CHUNK; i += 16) {
-      __m512i cm = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(mcu + i)));
-      __m512i cv = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(vcu + i)));
-      _mm512_store_ps(mn + i, _mm512_permutexvar_ps(cm, mt));
-      _mm512_store_ps(vn + i, _mm512_permutexvar_ps(cv, vt));
+// Pass 1 of a table-format chunk, 16 elements at a time in registers: decode (in-register table lookups),
+// update (fp32), write the parameter, clean the new moments and take their block maxima.
+template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
+inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t* __restrict mcu,
+                   const float* __restrict ms, const uint8_t* __restrict vcu, const float* __restrict vs,
+                   const Hyper& h, int valid, TStaged& st) {
+  static_assert(MB % 16 == 0 && VB % 16 == 0, "blocks of whole vectors");
+  const __m512 mt = m_decode16<MW>(), vt = v_decode16<VW>();
+  const __m512 decay = _mm512_set1_ps(h.decay), wd = _mm512_set1_ps(h.wd);
+  const __m512 b1 = _mm512_set1_ps(h.b1), omb1 = _mm512_set1_ps(h.omb1);
+  const __m512 b2 = _mm512_set1_ps(h.b2), omb2 = _mm512_set1_ps(h.omb2);
+  const __m512 ibc2 = _mm512_set1_ps(h.ibc2), eps = _mm512_set1_ps(h.eps), nstep = _mm512_set1_ps(h.nstep);
+  const __m512i zero = _mm512_setzero_si512(), inf = _mm512_set1_epi32((int)INF_BITS);
+  const __m512i clamp = _mm512_set1_epi32((int)CLAMP_BITS), abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i v_floor = _mm512_set1_epi32((int)fbits(V_FLOOR));
+  __m512i am = zero, pm = zero, vm = v_floor;
+  for (int i = 0; i < CHUNK; i += 16) {
+    const __m512i cm = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(mcu + i)));
+    const __m512i cv = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(vcu + i)));
+    __m512 gi = _mm512_loadu_ps(g + i);
+    if (MAXIMIZE) gi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gi), _mm512_set1_epi32((int)0x80000000u)));
+    __m512 pi = _mm512_loadu_ps(p + i);
+    if (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(pi, wd));
+    pi = _mm512_mul_ps(pi, decay);
+    __m512 m = _mm512_mul_ps(_mm512_permutexvar_ps(cm, mt), _mm512_set1_ps(ms[i / MB]));
+    __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(cv, vt), _mm512_set1_ps(vs[i / VB]));
+    m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(gi, omb1));
+    v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
+    const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
+    pi = _mm512_add_ps(pi, _mm512_mul_ps(nstep, _mm512_div_ps(m, den)));
+    _mm512_storeu_ps(p + i, pi);
+    if (valid < CHUNK) {  // a zero-padded tail: its padding's moments are zeros
+      const __mmask16 live = i >= valid ? 0 : (i + 16 <= valid ? 0xFFFF : (__mmask16)((1u << (valid - i)) - 1u));
+      m = _mm512_maskz_mov_ps(live, m);
+      v = _mm512_maskz_mov_ps(live, v);
+    }
+    const __m512i u = _mm512_castps_si512(m);
+    const __m512i a = _mm512_min_epu32(_mm512_mask_mov_epi32(_mm512_and_si512(u, abs_mask),
+                                                             _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf), zero),
+                                       clamp);
+    _mm512_store_si512(st.m + i, _mm512_or_si512(a, _mm512_andnot_si512(abs_mask, u)));
+    am = _mm512_max_epu32(am, a);
+    pm = _mm512_max_epu32(pm, _mm512_mask_mov_epi32(a, _mm512_cmplt_epi32_mask(u, zero), zero));
+    __m512i w = _mm512_castps_si512(v);  // negative values and NaN compare above inf: 0
+    w = _mm512_min_epu32(_mm512_mask_mov_epi32(w, _mm512_cmpgt_epu32_mask(w, inf), zero), clamp);
+    _mm512_store_si512(st.v + i, w);
+    vm = _mm512_max_epu32(vm, w);
+    if ((i + 16) % MB == 0) {
+      st.m_abs[i / MB] = _mm512_reduce_max_epu32(am);
+      st.m_pos[i / MB] = _mm512_reduce_max_epu32(pm);
+      am = pm = zero;
+    }
+    if ((i + 16) % VB == 0) {
+      st.v_max[i / VB] = _mm512_reduce_max_epu32(vm);
+      vm = v_floor;
     }
   }
+}
 #else
+// Pass 1 without AVX-512: the same in loops over fixed-size arrays that the compiler vectorizes (decoding
+// by selects over codes: no gathers, slow on CPUs with the gather-data-sampling mitigation).
+template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
+inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t* __restrict mcu,
+                   const float* __restrict ms, const uint8_t* __restrict vcu, const float* __restrict vs,
+                   const Hyper& h, int valid, TStaged& st) {
+  constexpr int SUB = MB < VB ? MB : VB;  // elements sharing both scales
+  constexpr auto& MT = mtables<MW>();
+  alignas(64) float mn[CHUNK];
+  alignas(64) float vn[CHUNK];
   for (int i = 0; i < CHUNK; ++i) mn[i] = vn[i] = 0.0f;
   for (int c = 0; c < MMap<MW>::L; ++c) {
     const float t = MT.decode[c];
@@ -486,7 +567,6 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float t = VMap<VW>::DECODE[c];
     for (int i = 0; i < CHUNK; ++i) vn[i] = vcu[i] == c ? t : vn[i];
   }
-#endif
   for (int o = 0; o < CHUNK; o += SUB) {
     const float msc = ms[o / MB];
     const float vsc = vs[o / VB];
@@ -507,47 +587,66 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
       vn[i] = v;
     }
   }
-  if (valid < CHUNK) {
-    for (int i = valid; i < CHUNK; ++i) mn[i] = vn[i] = 0.0f;
-  }
-
-  // first moment: clean (NaN -> 0, |x| <= CLAMP), signed block max, encode
+  for (int i = valid; i < CHUNK; ++i) mn[i] = vn[i] = 0.0f;
   for (int o = 0; o < CHUNK; o += MB) {
     uint32_t amax = 0, pmax = 0;
-#if defined(__AVX512F__)
-    {
-      const __m512i zero = _mm512_setzero_si512(), inf = _mm512_set1_epi32((int)INF_BITS);
-      const __m512i clamp = _mm512_set1_epi32((int)CLAMP_BITS), abs_mask = _mm512_set1_epi32(0x7fffffff);
-      __m512i am = zero, pm = zero;
-      for (int i = o; i < o + MB; i += 16) {
-        __m512i u = _mm512_load_si512(mn + i);
-        __m512i a = _mm512_and_si512(u, abs_mask);
-        a = _mm512_min_epu32(_mm512_mask_mov_epi32(a, _mm512_cmpgt_epu32_mask(a, inf), zero), clamp);
-        _mm512_store_si512(mab + i, _mm512_or_si512(a, _mm512_andnot_si512(abs_mask, u)));
-        am = _mm512_max_epu32(am, a);
-        pm = _mm512_max_epu32(pm, _mm512_mask_mov_epi32(a, _mm512_cmplt_epi32_mask(u, zero), zero));
-      }
-      amax = _mm512_reduce_max_epu32(am);
-      pmax = _mm512_reduce_max_epu32(pm);
-    }
-#else
     for (int i = o; i < o + MB; ++i) {
       uint32_t u = fbits(mn[i]);
       uint32_t a = u & 0x7fffffffu;
       a = a > INF_BITS ? 0u : (a > CLAMP_BITS ? CLAMP_BITS : a);
-      mab[i] = a | (u & 0x80000000u);
+      st.m[i] = a | (u & 0x80000000u);
       amax = a > amax ? a : amax;
       uint32_t pos = (u >> 31) ? 0u : a;
       pmax = pos > pmax ? pos : pmax;
     }
+    st.m_abs[o / MB] = amax;
+    st.m_pos[o / MB] = pmax;
+  }
+  for (int o = 0; o < CHUNK; o += VB) {
+    uint32_t vmax = fbits(V_FLOOR);
+    for (int i = o; i < o + VB; ++i) {
+      uint32_t u = fbits(vn[i]);
+      u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);
+      st.v[i] = u;
+      vmax = u > vmax ? u : vmax;
+    }
+    st.v_max[o / VB] = vmax;
+  }
+}
 #endif
+
+// One chunk of a table format (m: MW-bit codes, blocks of MB; v: VW-bit log codes, blocks of VB): pass 1
+// (``tstage``), then each block's scale from its maxima and its codes. (Pipelining the two passes over
+// neighbouring chunks, as int8's, measured no faster here.)
+template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
+inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
+                   float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs, const Hyper& h,
+                   int valid, int64_t base) {
+  [[maybe_unused]] constexpr auto& MT = mtables<MW>();
+  TStaged st;
+  alignas(64) uint8_t mcu[CHUNK];
+  alignas(64) uint8_t vcu[CHUNK];
+#if !defined(__AVX512F__)
+  alignas(64) float y[CHUNK];      // normalized values to encode
+  alignas(64) int32_t idx[CHUNK];  // their codes
+#endif
+  alignas(64) float um[CHUNK];  // stochastic rounding's uniform numbers (when h.sr_m / h.sr_v)
+  alignas(64) float uv[CHUNK];
+  if (h.sr_m || h.sr_v) draws(base, h, um, uv);
+  unpack_codes<MW>(mc, mcu);
+  unpack_codes<VW>(vc, vcu);
+  tstage<MW, MB, VW, VB, MAXIMIZE, L2>(p, g, mcu, ms, vcu, vs, h, valid, st);
+
+  // first moment: the signed block max, encode
+  for (int o = 0; o < CHUNK; o += MB) {
+    const uint32_t amax = st.m_abs[o / MB], pmax = st.m_pos[o / MB];
     const float A = bfloat(amax);
     const float S = pmax >= amax ? A : -A;
     const float pre = prescale(A);
     const float inv = A == 0.0f ? 0.0f : 1.0f / (S * pre);
     ms[o / MB] = S;
     if (h.sr_m) {
-      sr_encode_m<MW>(mab + o, MB, pre, inv, um + o, mcu + o);
+      sr_encode_m<MW>(st.m + o, MB, pre, inv, um + o, mcu + o);
       continue;
     }
 #if defined(__AVX512F__)
@@ -555,14 +654,14 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
       const __m512 th = m_mid16<MW>(), vpre = _mm512_set1_ps(pre), vinv = _mm512_set1_ps(inv);
       const __m512i off = _mm512_set1_epi32(MMap<MW>::L - MMap<MW>::ZERO), mask = _mm512_set1_epi32(MMap<MW>::L - 1);
       for (int i = o; i < o + MB; i += 16) {
-        __m512 yv = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(mab + i)), vpre), vinv);
+        __m512 yv = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(st.m + i)), vpre), vinv);
         __m512i code = _mm512_and_si512(_mm512_add_epi32(count_prefix<MMap<MW>::L, _CMP_GT_OQ>(yv, th), off), mask);
         _mm_store_si128((__m128i*)(mcu + i), _mm512_cvtepi32_epi8(code));
       }
     }
 #else
     for (int i = o; i < o + MB; ++i) {
-      y[i] = (bfloat(mab[i]) * pre) * inv;
+      y[i] = (bfloat(st.m[i]) * pre) * inv;
       idx[i] = MMap<MW>::L - MMap<MW>::ZERO;
     }
     for (int k = 0; k < MMap<MW>::L - 1; ++k) {  // thresholds outside: the element loop vectorizes
@@ -573,49 +672,27 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
 #endif
   }
 
-  // second moment: clean (negative/NaN -> 0, <= CLAMP), block max (at least V_FLOOR), log map
+  // second moment: the block max, log map
   for (int o = 0; o < CHUNK; o += VB) {
-    uint32_t vmax = fbits(V_FLOOR);
-#if defined(__AVX512F__)
-    {
-      const __m512i zero = _mm512_setzero_si512(), inf = _mm512_set1_epi32((int)INF_BITS);
-      const __m512i clamp = _mm512_set1_epi32((int)CLAMP_BITS);
-      __m512i vm = _mm512_set1_epi32((int)vmax);
-      for (int i = o; i < o + VB; i += 16) {
-        __m512i u = _mm512_load_si512(vn + i);  // negative values and NaN compare above inf: 0
-        u = _mm512_min_epu32(_mm512_mask_mov_epi32(u, _mm512_cmpgt_epu32_mask(u, inf), zero), clamp);
-        _mm512_store_si512(mab + i, u);
-        vm = _mm512_max_epu32(vm, u);
-      }
-      vmax = _mm512_reduce_max_epu32(vm);
-    }
-#else
-    for (int i = o; i < o + VB; ++i) {
-      uint32_t u = fbits(vn[i]);
-      u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);
-      mab[i] = u;
-      vmax = u > vmax ? u : vmax;
-    }
-#endif
-    const float A = bfloat(vmax);
+    const float A = bfloat(st.v_max[o / VB]);
     const float inv = 1.0f / A;
     vs[o / VB] = A;
     if (h.sr_v) {
-      sr_encode_v<VW>(mab + o, VB, inv, uv + o, vcu + o);
+      sr_encode_v<VW>(st.v + o, VB, inv, uv + o, vcu + o);
       continue;
     }
 #if defined(__AVX512F__)
     {
-      const __m512 th = v_th16<VW>(), vinv = _mm512_set1_ps(inv);
+      const __m512 vinv = _mm512_set1_ps(inv);
       for (int i = o; i < o + VB; i += 16) {
-        __m512 yv = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(mab + i)), vinv);
-        __m512i code = count_prefix<VMap<VW>::L, _CMP_LT_OQ>(yv, th);  // thresholds above y
+        __m512 yv = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(st.v + i)), vinv);
+        __m512i code = v_nearest_code<VW>(yv);  // thresholds above y
         _mm_store_si128((__m128i*)(vcu + i), _mm512_cvtepi32_epi8(code));
       }
     }
 #else
     for (int i = o; i < o + VB; ++i) {
-      y[i] = bfloat(mab[i]) * inv;
+      y[i] = bfloat(st.v[i]) * inv;
       idx[i] = 0;
     }
     for (int k = 0; k < VMap<VW>::L - 1; ++k) {
