@@ -577,7 +577,8 @@ def test_blocks_are_gathered_ahead_along_the_trace_with_the_same_results(tmp_pat
     """Once a pass has been traced, acquiring a block starts the gather of the next one (every access of a
     pass but its first is gathered ahead), and training is bitwise the run that gathers only on demand."""
     model, steps = tiny_model("gpt2"), 3  # tied embeddings and head: a block used twice in a pass
-    (tmp_path / "ahead").mkdir(), (tmp_path / "demand").mkdir()
+    for run in ("ahead", "demand"):
+        (tmp_path / run).mkdir()
     ahead, reports = _dp_fit(model, tmp_path / "ahead", steps)
     on_demand, demand_reports = _dp_fit(
         model, tmp_path / "demand", steps, strategy_kwargs=dict(prefetch_depth=0)
