@@ -91,7 +91,7 @@ class GatheredBlocks(HostViews):
         if gather is None:
             gather = self._start(block)
         try:
-            for ahead, _ in self.trace.upcoming()[: self.prefetch_depth]:
+            for ahead, _ in self.trace.upcoming(self.prefetch_depth):
                 if ahead not in self._in_flight:
                     self._in_flight[ahead] = self._start(ahead)
                     self.stats.add(gathers_ahead=1)

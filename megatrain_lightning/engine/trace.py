@@ -56,9 +56,13 @@ class Trace:
             self.following = False
             self.deviations += 1
 
-    def upcoming(self) -> list[Access]:
-        """Predicted accesses after the current one (empty when not following)."""
-        return self._replay[self._pos + 1 :] if self.following else []
+    def upcoming(self, limit: int | None = None) -> list[Access]:
+        """Predicted accesses after the current one, the next ``limit`` of them if given (empty when not
+        following)."""
+        if not self.following:
+            return []
+        start = self._pos + 1
+        return self._replay[start : None if limit is None else start + limit]
 
     def future(self) -> tuple[list[Access], list[Access]]:
         """The rest of this pass from the current access on, and the whole next pass, as predicted

@@ -264,9 +264,8 @@ class HostStore:
         done and its shadow current."""
         if not self._joined_shadow or not self.shadow_runs(block):
             return self.read(block, "param").view(torch.uint8)
-        self.read(block, SHADOW)  # after the change; rebuilds a stale shadow
-        with self._lock:
-            return self._join(block)
+        self.read(block, SHADOW)  # after the change; makes the joint buffer if new, rebuilds a stale shadow
+        return self._joints[block]
 
     def joint_offset(self, block: int, element: int, shadowed: bool) -> int:
         """The byte in :meth:`joined`'s buffer where weight ``element`` (``shadowed``: its bf16 copy) sits."""
