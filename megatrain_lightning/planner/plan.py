@@ -297,8 +297,8 @@ def _megatrain_row(
     fits = gpu_need <= vram and host_need <= ram and disk_need <= disk
     # What the chosen settings use; where they do not fit, the least megatrain needs. Data parallel has no
     # slots: a rank holds the block computing and the one gathered ahead.
-    gpu = slots + act if ranks == 1 else gpu_need
-    gpu, host = (gpu, cache + staging) if fits else (gpu_need, host_need)
+    gpu = slots + act if fits and ranks == 1 else gpu_need
+    host = cache + staging if fits else host_need
     micro = workload.micro_batches
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch:
     # from the host tier's shadow in the compute dtype, from the disk tier in fp32 (its slots convert). Data
