@@ -164,6 +164,26 @@ def _in_range(kind: str, bits: int, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, table[upper] - table[upper - 1]
 
 
+def test_stochastic_rounding_draws_independent_uniform_numbers() -> None:
+    """One hash per number (``mix32(index ^ key)``): uniform on [0, 1), and uncorrelated between
+    neighbouring elements, between m's and v's numbers of an element and between an element's numbers
+    on consecutive steps. Without the hash (``index ^ key`` scaled) every one of these fails."""
+    steps, n = 64, 4096
+    keys = [rounding.rounding_keys(3, step) for step in range(1, steps + 1)]
+    u = torch.stack([torch.stack([rounding.uniforms(1000, n, k) for k in pair]) for pair in keys]).double()
+    assert u.min() >= 0 and u.max() < 1
+    deciles = torch.histc(u, bins=10, min=0, max=1) / u.numel()
+    assert (deciles - 0.1).abs().max() < 0.005
+
+    def corr(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.corrcoef(torch.stack([a.reshape(-1), b.reshape(-1)]))[0, 1])
+
+    bound = 5 / (steps * n) ** 0.5  # five standard errors of a correlation of independent numbers
+    assert abs(corr(u[:, :, 1:], u[:, :, :-1])) < bound  # neighbouring elements
+    assert abs(corr(u[:, 0], u[:, 1])) < bound  # m and v of an element
+    assert abs(corr(u[1:], u[:-1])) < bound  # consecutive steps
+
+
 @pytest.mark.parametrize("kind,bits", TABLE_KINDS)
 def test_stochastic_rounding_is_unbiased(kind: str, bits: int) -> None:
     """Over many keys the decoded values average to the input: each element's mean error is within 5

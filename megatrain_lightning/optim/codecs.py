@@ -348,7 +348,7 @@ def _blocks(x: Tensor, size: int) -> Tensor:
 
 def quantize(x: Tensor, kind: Kind, bits: int, key: int | None = None) -> tuple[Tensor, Tensor]:
     """Any-shaped float tensor -> ``(codes uint8 [code_bytes(numel)], scales fp32 [num_scales])``;
-    rounded stochastically with the numbers ``rounding.uniforms(rounding.index_hash(0, numel), key)``
+    rounded stochastically with the numbers ``rounding.uniforms(0, numel, key)``
     when ``key`` is given (table formats), to the nearest code otherwise."""
     _check(kind, bits)
     flat = x.detach().reshape(-1).to(torch.float32)
@@ -357,7 +357,7 @@ def quantize(x: Tensor, kind: Kind, bits: int, key: int | None = None) -> tuple[
     blocks = _blocks(flat, block_size(kind, bits))
     u = None
     if key is not None:
-        u = rounding.uniforms(rounding.index_hash(0, blocks.numel()), key).view(blocks.shape)
+        u = rounding.uniforms(0, blocks.numel(), key).view(blocks.shape)
     codes, scales = encode(blocks, bits, u)
     return packing.pack(codes.reshape(-1)[:numel], width(kind, bits)), scales
 

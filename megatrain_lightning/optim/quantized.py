@@ -309,9 +309,8 @@ def _torch_chunk(
     p.copy_(pi[:n])
     m[n:] = 0.0
     v[n:] = 0.0
-    hashed = rounding.index_hash(sr.offset + start, padded) if sr.m or sr.v else None
-    um = rounding.uniforms(hashed, sr.key_m).view(-1, fmt.m_block) if sr.m else None
-    uv = rounding.uniforms(hashed, sr.key_v).view(-1, fmt.v_block) if sr.v else None
+    um = rounding.uniforms(sr.offset + start, padded, sr.key_m).view(-1, fmt.m_block) if sr.m else None
+    uv = rounding.uniforms(sr.offset + start, padded, sr.key_v).view(-1, fmt.v_block) if sr.v else None
     new_m, m_scale = codecs.encode_m_blocks(m.view(-1, fmt.m_block), bits, um)
     new_v, v_scale = codecs.encode_v_blocks(v.view(-1, fmt.v_block), bits, uv)
     ms.copy_(m_scale[: ms.numel()])

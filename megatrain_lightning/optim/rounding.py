@@ -30,15 +30,12 @@ def rounding_keys(seed: int, step: int) -> tuple[int, int]:
     return int(_mix32(base ^ 1)), int(_mix32(base ^ 2))
 
 
-def index_hash(start: int, n: int) -> Tensor:
-    """The hash of element indices ``[start, start + n)`` (low 32 bits), shared by m's and v's draws."""
-    return _mix32(torch.arange(start, start + n, dtype=torch.int64) & _M32)
-
-
-def uniforms(hashed: Tensor, key: int) -> Tensor:
-    """fp32 numbers in [0, 1 - 2^-23], multiples of 2^-23, one per hashed index: ``mix32(hash ^ key)``'s
-    top 23 bits."""
-    return (_mix32(hashed ^ key) >> 9).to(torch.float32).mul_(2.0**-23)
+def uniforms(start: int, n: int, key: int) -> Tensor:
+    """fp32 numbers in [0, 1 - 2^-23], multiples of 2^-23, for the elements ``[start, start + n)`` of a
+    stream: the top 23 bits of ``mix32(index ^ key)`` (the index's low 32 bits). One hash per number:
+    the keys already differ per stream, step and moment."""
+    index = torch.arange(start, start + n, dtype=torch.int64) & _M32
+    return (_mix32(index ^ key) >> 9).to(torch.float32).mul_(2.0**-23)
 
 
 def round_to_neighbour(y: Tensor, values: Tensor, u: Tensor, ascending: bool) -> Tensor:

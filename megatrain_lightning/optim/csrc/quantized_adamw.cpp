@@ -210,12 +210,12 @@ inline void to_bf16(const float* __restrict src, uint16_t* __restrict dst, int n
 
 struct Hyper {
   float decay, wd, b1, omb1, b2, omb2, ibc2, eps, nstep;
-  // stochastic rounding of the table formats' m / v codes, keyed per (stream, step): see draws()
+  // stochastic rounding of the table formats' m / v codes, keyed per (stream, step): see uniform()
   bool sr_m, sr_v;
   uint32_t key_m, key_v;
 };
 
-// A 32-bit integer hash (codecs._mix32): the counter-based random numbers of stochastic rounding.
+// A 32-bit integer hash (rounding._mix32): the counter-based random numbers of stochastic rounding.
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -223,6 +223,9 @@ inline uint32_t mix32(uint32_t x) {
   x *= 0x2c1b3c6du;
   return x ^ (x >> 16);
 }
+// The uniform number in [0, 1) (a multiple of 2^-23) of element ``index`` of a stream (rounding.uniforms):
+// a function of (key, index) only, so chunking and threads do not matter.
+inline float uniform(int64_t index, uint32_t key) { return (float)(mix32((uint32_t)index ^ key) >> 9) * 0x1p-23f; }
 
 #if defined(__AVX512F__)
 inline __m512i mix32x16(__m512i x) {
@@ -232,37 +235,21 @@ inline __m512i mix32x16(__m512i x) {
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x2c1b3c6d));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
-inline __m512 uniform16(__m512i hashed, uint32_t key) {
-  const __m512i h = mix32x16(_mm512_xor_si512(hashed, _mm512_set1_epi32((int)key)));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 9)), _mm512_set1_ps(0x1p-23f));
-}
-#endif
-
-// The uniform numbers in [0, 1) (multiples of 2^-23) of the elements base .. base + 255 of a stream
-// (only the moments rounded stochastically): a function of (key, element index) only (codecs.uniforms),
-// so chunking and threads do not matter.
-inline void draws(int64_t base, const Hyper& h, float* __restrict um, float* __restrict uv) {
-#if defined(__AVX512F__)
+// ``uniform`` of the 16 elements from ``index``.
+inline __m512 uniform16(int64_t index, uint32_t key) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int i = 0; i < CHUNK; i += 16) {
-    const __m512i hashed = mix32x16(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(base + i)), iota));
-    if (h.sr_m) _mm512_store_ps(um + i, uniform16(hashed, h.key_m));
-    if (h.sr_v) _mm512_store_ps(uv + i, uniform16(hashed, h.key_v));
-  }
-#else
-  for (int i = 0; i < CHUNK; ++i) {
-    const uint32_t hashed = mix32((uint32_t)(base + i));
-    if (h.sr_m) um[i] = (float)(mix32(hashed ^ h.key_m) >> 9) * 0x1p-23f;
-    if (h.sr_v) uv[i] = (float)(mix32(hashed ^ h.key_v) >> 9) * 0x1p-23f;
-  }
-#endif
+  const __m512i x = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota),
+                                     _mm512_set1_epi32((int)key));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(mix32x16(x), 9)), _mm512_set1_ps(0x1p-23f));
 }
+#endif
 
 // Stochastic rounding of nb normalized values between their two neighbouring map values (codecs.
 // _round_stochastic): the farther with probability distance / gap; beyond the map's ends, the end.
 // m: y = (value * pre) * inv against the ascending map; v: y = value * inv against the descending one.
+// ``index``: the stream's index of the first value, whose uniform numbers (``key``) decide.
 template <int W>
-inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, float inv, const float* __restrict u,
+inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, float inv, int64_t index, uint32_t key,
                         uint8_t* __restrict out) {
   constexpr int L = MMap<W>::L;
 #if defined(__AVX512F__)
@@ -276,7 +263,7 @@ inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, floa
     const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(j, one), last);
     const __m512 lo = _mm512_permutexvar_ps(j, sorted), hi = _mm512_permutexvar_ps(nx, sorted);
     const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(y, lo),
-                                            _mm512_mul_ps(_mm512_loadu_ps(u + i), _mm512_sub_ps(hi, lo)), _CMP_GT_OQ);
+                                            _mm512_mul_ps(uniform16(index + i, key), _mm512_sub_ps(hi, lo)), _CMP_GT_OQ);
     const __m512i idx = _mm512_mask_blend_epi32(up, j, nx);
     const __m512i code = _mm512_and_si512(_mm512_add_epi32(idx, off), last);
     _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(code));
@@ -290,12 +277,12 @@ inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, floa
     for (int k = 1; k < L; ++k) j += y >= T[k];
     const int nx = j + 1 < L ? j + 1 : L - 1;
     const float lo = T[j], hi = T[nx];
-    const int idx = (y - lo) > u[i] * (hi - lo) ? nx : j;
+    const int idx = (y - lo) > uniform(index + i, key) * (hi - lo) ? nx : j;
     out[i] = (uint8_t)((idx + L - MMap<W>::ZERO) & (L - 1));
   }
 }
 template <int W>
-inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, const float* __restrict u,
+inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int64_t index, uint32_t key,
                         uint8_t* __restrict out) {
   constexpr int L = VMap<W>::L;
 #if defined(__AVX512F__)
@@ -307,7 +294,7 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, cons
     const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(k, one), last);
     const __m512 upper = _mm512_permutexvar_ps(k, table), lower = _mm512_permutexvar_ps(nx, table);
     const __mmask16 up = _mm512_cmp_ps_mask(
-        _mm512_sub_ps(y, lower), _mm512_mul_ps(_mm512_loadu_ps(u + i), _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
+        _mm512_sub_ps(y, lower), _mm512_mul_ps(uniform16(index + i, key), _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
     _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(up, nx, k)));
   }
   return;
@@ -319,7 +306,7 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, cons
     for (int c = 1; c < L; ++c) k += y < D[c];
     const int nx = k + 1 < L ? k + 1 : L - 1;
     const float upper = D[k], lower = D[nx];
-    out[i] = (uint8_t)((y - lower) > u[i] * (upper - lower) ? k : nx);
+    out[i] = (uint8_t)((y - lower) > uniform(index + i, key) * (upper - lower) ? k : nx);
   }
 }
 
@@ -630,9 +617,6 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
   alignas(64) float y[CHUNK];      // normalized values to encode
   alignas(64) int32_t idx[CHUNK];  // their codes
 #endif
-  alignas(64) float um[CHUNK];  // stochastic rounding's uniform numbers (when h.sr_m / h.sr_v)
-  alignas(64) float uv[CHUNK];
-  if (h.sr_m || h.sr_v) draws(base, h, um, uv);
   unpack_codes<MW>(mc, mcu);
   unpack_codes<VW>(vc, vcu);
   tstage<MW, MB, VW, VB, MAXIMIZE, L2>(p, g, mcu, ms, vcu, vs, h, valid, st);
@@ -646,7 +630,7 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float inv = A == 0.0f ? 0.0f : 1.0f / (S * pre);
     ms[o / MB] = S;
     if (h.sr_m) {
-      sr_encode_m<MW>(st.m + o, MB, pre, inv, um + o, mcu + o);
+      sr_encode_m<MW>(st.m + o, MB, pre, inv, base + o, h.key_m, mcu + o);
       continue;
     }
 #if defined(__AVX512F__)
@@ -678,7 +662,7 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
     const float inv = 1.0f / A;
     vs[o / VB] = A;
     if (h.sr_v) {
-      sr_encode_v<VW>(st.v + o, VB, inv, uv + o, vcu + o);
+      sr_encode_v<VW>(st.v + o, VB, inv, base + o, h.key_v, vcu + o);
       continue;
     }
 #if defined(__AVX512F__)
