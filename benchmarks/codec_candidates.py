@@ -189,6 +189,9 @@ V_CANDIDATES: dict[str, Callable | str | None] = {
     "3b log 1oct b128 SR": v_log(3, 128, 1.0, sr=True),
     "2b rank-1 sqrt-lin SR": v_rank1(2, sr=True, power=0.5),
     "factored (Adafactor)": FACTORED,
+    "8b sqrt-lin b128": v_linear(8, 128, power=0.5),
+    "8b log 1/16oct b128": v_log(8, 128, 1 / 16),
+    "8b log 1/16oct b128 SR": v_log(8, 128, 1 / 16, sr=True),
 }
 
 
@@ -419,7 +422,14 @@ def main() -> None:
     parser.add_argument(
         "--shipped", action="store_true", help="the shipped formats, nearest vs stochastic rounding"
     )
+    parser.add_argument(
+        "--only", nargs="+", metavar="TEXT", help="only the candidates whose names contain one of these"
+    )
     args = parser.parse_args()
+    if args.only:
+        for candidates in (M_CANDIDATES, V_CANDIDATES):
+            for name in [c for c in candidates if c != "fp32" and not any(t in c for t in args.only)]:
+                del candidates[name]
     torch.set_num_threads(1)
     (shipped_errors if args.shipped else state_errors)(args)
 
