@@ -356,7 +356,7 @@ SHIPPED = {
     f"{name} {label}": shipped(bits, sr)
     for name, bits in (("int8", 8), ("int4", 4), ("int3", 3), ("int2", 2))
     for label, sr in (("nearest", ()), ("SR v", ("v",)), ("SR m", ("m",)), ("SR m+v", ("m", "v")))
-    if bits != 8 or not sr
+    if bits != 8 or "m" not in sr  # int8's E4M3 m rounds to nearest only
 }
 
 
@@ -427,7 +427,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.only:
-        for candidates in (M_CANDIDATES, V_CANDIDATES):
+        for candidates in (M_CANDIDATES, V_CANDIDATES, SHIPPED):
             for name in [c for c in candidates if c != "fp32" and not any(t in c for t in args.only)]:
                 del candidates[name]
     torch.set_num_threads(1)

@@ -110,7 +110,7 @@ def test_error_bound_adversarial(kind: str, bits: int, data: str) -> None:
 
 @pytest.mark.parametrize("kind,bits", KINDS)
 def test_worst_case_relative_to_block_absmax(kind: str, bits: int) -> None:
-    """The headline constants: max error / block absmax (m: 1/30, 0.1125, 0.5; v: 1/256, 0.19, 1)."""
+    """The headline constants: max error / block absmax (m: 1/30, 0.1125, 0.5; v: 0.022, 0.19, 1)."""
     x = _for_kind(_random()["student_t2"], kind)
     out = _roundtrip(x, kind, bits)
     size = C.block_size(kind, bits)
@@ -123,17 +123,17 @@ def test_worst_case_relative_to_block_absmax(kind: str, bits: int) -> None:
 @pytest.mark.parametrize("kind,bits", KINDS)
 def test_typical_error_is_small(kind: str, bits: int) -> None:
     """Not a bound, a regression figure: RMS error / RMS value on Gaussian m and chi-square v (measured:
-    m 0.026, 0.137, 0.137, 0.36; v 0.0076, 0.090, 0.40, 0.40 for int8, int4, int3, int2)."""
+    m 0.026, 0.137, 0.137, 0.36; v 0.0113, 0.090, 0.40, 0.40 for int8, int4, int3, int2)."""
     x = _for_kind(torch.randn(1 << 16, generator=_gen(3)), kind)
     out = _roundtrip(x, kind, bits)
     rel = float((out - x).pow(2).mean().sqrt() / x.pow(2).mean().sqrt())
-    limit = {"m": {8: 0.03, 4: 0.15, 3: 0.15, 2: 0.4}, "v": {8: 0.01, 4: 0.1, 3: 0.45, 2: 0.45}}[kind][bits]
+    limit = {"m": {8: 0.03, 4: 0.15, 3: 0.15, 2: 0.4}, "v": {8: 0.015, 4: 0.1, 3: 0.45, 2: 0.45}}[kind][bits]
     assert rel < limit, rel
 
 
-# -- stochastic rounding (table formats) --
+# -- stochastic rounding (the table maps of m, the log maps of v: all but int8's E4M3 m) --
 
-TABLE_KINDS = [(kind, bits) for kind, bits in KINDS if bits != 8]
+TABLE_KINDS = [(kind, bits) for kind, bits in KINDS if (kind, bits) != ("m", 8)]
 
 
 @pytest.mark.parametrize("kind,bits", TABLE_KINDS)
@@ -212,13 +212,13 @@ def test_stochastic_rounding_is_keyed() -> None:
         assert torch.equal(a, b)
         assert not torch.equal(a, c)
         assert not torch.equal(a, C.quantize(y, kind, bits)[0])
-    for bits in (4, 3, 2):
+    for kind, bits in TABLE_KINDS:
         fmt = C.FORMATS[bits]
-        for kind, table in (("m", fmt.m_sorted), ("v", fmt.v_table)):
-            values = table.repeat(64)[: 64 * C.block_size(kind, bits)]
-            assert torch.equal(_roundtrip(values, kind, bits, key=3), values)
+        table = fmt.m_sorted if kind == "m" else fmt.v_table
+        values = table.repeat(64)[: 64 * C.block_size(kind, bits)]
+        assert torch.equal(_roundtrip(values, kind, bits, key=3), values)
     with pytest.raises(ValueError, match="not int8"):
-        C.quantize(x, "v", 8, key=1)
+        C.quantize(x, "m", 8, key=1)
 
 
 def test_v_never_decodes_to_zero() -> None:
@@ -276,11 +276,27 @@ def test_table_values_roundtrip_exactly() -> None:
         fmt = C.FORMATS[bits]
         y = fmt.m_table.repeat(256 // fmt.m_table.numel())
         assert torch.equal(_roundtrip(y, "m", bits), y)
-        z = fmt.v_table.repeat(256 // fmt.v_table.numel())  # log v map: 2^(-c step) of the max
+    # the log v maps, 2^(-c step) of the max, int8's included
+    for bits in C.FORMATS:
+        z = C.FORMATS[bits].v_table.repeat(256 // C.FORMATS[bits].v_table.numel())
         assert torch.equal(_roundtrip(z, "v", bits), z)
-    # int8's linear v map: (c + 1) / 256 of the max
-    z = (torch.arange(256) + 1).float() / 256
-    assert torch.equal(_roundtrip(z, "v", 8), z)
+
+
+def test_int8_v_of_the_linear_map_upgrades_to_the_log_map() -> None:
+    """Format versions 1 and 2 stored int8's v as (c + 1) / 256 of the block max: upgraded, each element
+    decodes within the log map's rounding of what its old code meant, a block never written (scale 0)
+    stays the fresh state (zero), and a partial last block is kept to its elements."""
+    n = 128 * 5 + 37
+    codes = torch.randint(0, 256, (n,), generator=_gen(8), dtype=torch.uint8)
+    scales = torch.rand(6, generator=_gen(9)) * 1e-3 + 1e-6
+    scales[2] = 0.0
+    codes[256:384] = 0
+    old = (codes.float() + 1) * scales.repeat_interleave(128)[:n]
+    new_codes, new_scales = C.upgrade_v8(codes, scales)
+    assert new_codes.shape == codes.shape and new_scales.shape == scales.shape
+    decoded = C.dequantize(new_codes, new_scales, "v", 8, n)
+    assert ((decoded - old).abs() <= C.error_bound(old, "v", 8)).all()
+    assert decoded[256:384].eq(0).all() and new_scales[2] == 0
 
 
 def test_negative_zero_and_nan_encode_canonically() -> None:

@@ -79,6 +79,41 @@ def test_state_of_another_format_is_refused_clearly():
     optimizer.load_state_dict(saved)  # today's format loads
 
 
+def _linear_v8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8's v as format versions 1 and 2 stored it: code c -> (c + 1) / 256 of the block max."""
+    blocks = torch.nn.functional.pad(v, (0, -v.numel() % 128)).view(-1, 128)
+    scales = blocks.amax(1).clamp(min=codecs.V_FLOOR) / 256
+    codes = (torch.round(blocks / scales[:, None]) - 1).clamp(0, 255).to(torch.uint8)
+    return codes.reshape(-1)[: v.numel()], scales
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_int8_state_with_the_linear_v_map_is_converted(version):
+    """int8 state saved by format versions 1 and 2 (v on a linear map) loads into today's log map: m as
+    saved, v within the log map's rounding of what the old codes meant; training goes on from it."""
+    run = fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=2)
+    optimizer = run.trainer.optimizers[0]
+    saved = optimizer.state_dict()
+    old_blocks, old_v = {}, {}
+    for block, state in saved["blocks"].items():
+        v = codecs.dequantize(state["v_codes"], state["v_scales"], "v", 8, state["v_codes"].numel())
+        codes, scales = _linear_v8(v)
+        old_blocks[block] = {**{k: t.clone() for k, t in state.items()}, "v_codes": codes, "v_scales": scales}
+        old_v[block] = (codes.to(torch.float32) + 1) * scales.repeat_interleave(128)[: codes.numel()]
+    old = {**saved, "blocks": old_blocks, "codec": {"compression": "int8", "version": version}}
+    if version == 1:  # saved before the codec was recorded
+        del old["codec"]
+    optimizer.load_state_dict(old)
+    loaded = optimizer.state_dict()["blocks"]
+    assert sum(old_v[b].numel() for b in old_v) > 0
+    for block, state in loaded.items():
+        assert torch.equal(state["m_codes"], old_blocks[block]["m_codes"])
+        v = codecs.dequantize(state["v_codes"], state["v_scales"], "v", 8, state["v_codes"].numel())
+        assert ((v - old_v[block]).abs() <= codecs.error_bound(old_v[block], "v", 8)).all()
+    optimizer.step()  # the gradients of the last step are gone: a zero-gradient step on the converted state
+    assert all(torch.isfinite(p).all() for p in run.trainer.lightning_module.parameters())
+
+
 def _resumable_fit(compression: str, root, steps: int, ckpt_path=None) -> tuple[list[float], dict]:
     """Fit a small Llama on the shipped corpus, a checkpoint every 2 steps; (losses, final weights)."""
     torch.manual_seed(0)

@@ -37,8 +37,8 @@ from megatrain_lightning.optim import codecs
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quantized_adamw.cpp"
-_ABI_VERSION = 4
-_TABLE_FLOATS = 93
+_ABI_VERSION = 5
+_TABLE_FLOATS = 125
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 # tried in this order; the first that compiles is used (without OpenMP the kernel runs on one thread)
 _ARCH_FLAGS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
@@ -50,10 +50,11 @@ def _expected_tables() -> torch.Tensor:
     formats = [codecs.FORMATS[b] for b in (8, 4, 3, 2)]
     layout = torch.tensor([x for f in formats for x in (f.m_bits, f.m_block, f.v_bits, f.v_block)])
     m4, v4, v2 = codecs.FORMATS[4], codecs.FORMATS[4], codecs.FORMATS[3]
-    m2 = codecs.FORMATS[2]
+    m2, v8 = codecs.FORMATS[2], codecs.FORMATS[8]
     return torch.cat([
         layout.float(), m4.m_table, m2.m_table, m4.m_midpoints, m2.m_midpoints,
         v4.v_table, v2.v_table, v4.v_thresholds, v2.v_thresholds, torch.tensor([codecs.V_FLOOR]),
+        v8.v_table[:16], v8.v_thresholds[:16],
     ])  # fmt: skip
 
 

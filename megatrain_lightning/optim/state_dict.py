@@ -2,7 +2,8 @@
 
 Uncompressed, ``save`` gives ``torch.optim.AdamW``'s ``state_dict`` (views of the store) and ``load``
 takes one; compressed, the moments are saved as stored (codes and scales per block) with the codec
-they were stored by (``"codec"``: compression and ``codecs.FORMAT_VERSION``), which ``load`` checks.
+they were stored by (``"codec"``: compression and ``codecs.FORMAT_VERSION``), which ``load`` checks, and
+converts where an older version can be (``upgraded``).
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ def load(optimizer: CPUAdamW, state_dict: dict[str, Any]) -> None:
     if optimizer.bits or "blocks" in state_dict:
         if optimizer.bits is None or "blocks" not in state_dict:
             raise ValueError("megatrain: optimizer state saved with another `optimizer_compression`")
-        check_codec(optimizer.compression, state_dict.get("codec"))
+        version = check_codec(optimizer.compression, state_dict.get("codec"))
         for block, tensors in state_dict["blocks"].items():
-            load_block_state(optimizer, int(block), tensors)
+            load_block_state(optimizer, int(block), upgraded(tensors, version))
         return
     for i, (block, index) in enumerate(optimizer.order):
         saved = state_dict["state"].get(i, state_dict["state"].get(str(i)))
@@ -121,10 +122,11 @@ def codec_info(compression: str) -> dict[str, Any]:
     return {"compression": compression, "version": codecs.FORMAT_VERSION}
 
 
-def check_codec(compression: str, saved: dict[str, Any] | None) -> None:
-    """Refuse compressed moments stored by another codec than ``compression``'s today. State saved before
-    the codec was recorded (version 1) is int8's format or issue 4's int4 (blocks of 128, linear v map);
-    int8 is unchanged, so only such int4 state is refused."""
+def check_codec(compression: str, saved: dict[str, Any] | None) -> int:
+    """The format version of compressed moments stored by ``compression``'s codec, refusing another
+    compression's and versions that cannot be read. State saved before the codec was recorded (version 1)
+    is int8's format or issue 4's int4 (blocks of 128, linear v map); int8's v changed from a linear to a
+    log map in version 3 and is converted (``upgraded``), older int4 state is refused."""
     saved = saved or {"compression": compression, "version": 1}
     if saved["compression"] != compression:
         raise ValueError(
@@ -132,12 +134,26 @@ def check_codec(compression: str, saved: dict[str, Any] | None) -> None:
             f"`optimizer_compression={saved['compression']!r}`; resume it with that setting (this run uses "
             f"{compression!r})."
         )
-    if saved["version"] != codecs.FORMAT_VERSION and not (compression == "int8" and saved["version"] == 1):
+    version = saved["version"]
+    if version != codecs.FORMAT_VERSION and not (compression == "int8" and version in _INT8_LINEAR_V):
         raise ValueError(
             f"megatrain: this {compression} optimizer state was stored in {compression} format version "
-            f"{saved['version']}, which changed in version {codecs.FORMAT_VERSION} (see optim/codecs.py); "
+            f"{version}, which changed in version {codecs.FORMAT_VERSION} (see optim/codecs.py); "
             "resume it with the megatrain that wrote it, or train on from its weights with a fresh optimizer."
         )
+    return version
+
+
+_INT8_LINEAR_V = (1, 2)  # format versions whose int8 v has a linear map
+
+
+def upgraded(tensors: dict[str, Tensor], version: int) -> dict[str, Tensor]:
+    """A block's compressed state (or a rank's share of it) stored in format ``version`` (accepted by
+    ``check_codec``), in today's: int8's linear v of versions 1 and 2 re-encoded in the log map."""
+    if version == codecs.FORMAT_VERSION:
+        return tensors
+    v_codes, v_scales = codecs.upgrade_v8(tensors["v_codes"], tensors["v_scales"])
+    return {**tensors, "v_codes": v_codes, "v_scales": v_scales}
 
 
 def define_kinds(store: HostStore, quantized: list[int], bits: int | None) -> None:

@@ -262,19 +262,20 @@ def load_optimizer(checkpoint: Mapping[str, Any], engine: Any, optimizer: Any) -
 
 def _load_optimizer_from(ckpt: CheckpointDir, engine: Any, optimizer: Any) -> None:
     saved = ckpt.manifest["optimizer"]
+    version = codecs.FORMAT_VERSION
     if optimizer.bits or saved["compression"] != "none":
-        adam_state.check_codec(optimizer.compression, saved.get("codec") or {**saved, "version": 1})
+        version = adam_state.check_codec(optimizer.compression, saved.get("codec") or {**saved, "version": 1})
     entries = ckpt.optimizer().entries
     shard = engine.config.shard
     try:
         for block in engine.blocks:
             if shard is None:
-                state = optimizer_block(entries, block.index)
+                state = adam_state.upgraded(optimizer_block(entries, block.index), version)
                 adam_state.load_block_state(optimizer, block.index, state)
                 continue
             span = _owned(block, shard)
             kinds = {k: engine.store.block_kind_span(block.index, k, span) for k in optimizer.state_kinds}
-            state = optimizer_block(entries, block.index, kinds)
+            state = adam_state.upgraded(optimizer_block(entries, block.index, kinds), version)
             adam_state.load_block_state(optimizer, block.index, state, span)
     except OSError as err:
         raise io_failure(err, ckpt.path, writing=False) from err

@@ -103,8 +103,9 @@ def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
     order; parameters never stepped have no state, as in torch."""
     info = ckpt.manifest["optimizer"]
     bits = COMPRESSIONS[info["compression"]]
+    version = codecs.FORMAT_VERSION
     if bits:
-        adam_state.check_codec(info["compression"], info.get("codec") or {**info, "version": 1})
+        version = adam_state.check_codec(info["compression"], info.get("codec") or {**info, "version": 1})
     number = {name: i for i, name in enumerate(info["params"])}
     entries = ckpt.optimizer().entries
     state: dict[int, dict[str, Tensor]] = {}
@@ -112,6 +113,8 @@ def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
         zip(ckpt.manifest["blocks"], ckpt.manifest["layout"], strict=True)
     ):
         saved = optimizer_block(entries, block)
+        if bits:
+            saved = adam_state.upgraded(saved, version)
         m, v = saved["exp_avg"], saved["exp_avg_sq"]
         quantized = layout["numel"] - m.numel()  # elements [0, quantized) have block-quantized moments
         if quantized:

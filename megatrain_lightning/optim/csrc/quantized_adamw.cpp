@@ -4,12 +4,13 @@
 // this file on first use), OpenMP across chunks, one contiguous range of chunks per thread.
 //
 // int8 has three code paths, chosen at compile time: AVX-512 (pass1_avx512 / pass2_avx512), AVX2 and
-// the portable scalar ``chunk8``. The table formats (int4, int3, int2) share ``tchunk``: with AVX-512 a
-// first pass in registers (``tstage``: decode by in-register lookups, update, clean, block maxima), then
-// the codes (m by binary search, v from its exponent: ``count_above_log``); loops the compiler vectorizes
-// otherwise. Every
-// floating-point operation is mirrored one for one by the pure-torch fallback in quantized.py, so
-// all of them give bit-identical results: build with -ffp-contract=off and without -ffast-math (no
+// the portable scalar ``chunk8``; its v codes come from the value's exponent and its mantissa's place among
+// one octave's (``v8_values_above``; with AVX-512 by its top 5 bits and one compare, ``v8_above16``). The
+// table formats (int4, int3, int2) share ``tchunk``: with AVX-512 a first pass in registers (``tstage``:
+// decode by in-register lookups, update, clean, block maxima), then the codes (m by binary search, v from
+// its exponent: ``count_above_log``); loops the compiler vectorizes otherwise. Every floating-point
+// operation is mirrored one for one by the pure-torch fallback in quantized.py, so all of them give
+// bit-identical results: build with -ffp-contract=off and without -ffast-math (no
 // FMA contraction, no reassociation).
 
 #include <algorithm>
@@ -29,6 +30,7 @@ namespace {
 
 constexpr int CHUNK = 256;          // elements per chunk (ALIGN in store/layout.py)
 constexpr int HALF = 128;           // int8 v blocks
+constexpr int V8_LAST = 255;        // int8 v: the last code
 constexpr uint32_t CLAMP_BITS = 0x7f7ffffdu;  // largest magnitude kept: FLT_MAX less 2 ulp
 constexpr uint32_t INF_BITS = 0x7f800000u;
 constexpr float TWO23 = 8388608.0f;  // 2^23: (q + 2^23) - 2^23 rounds 0 <= q < 2^22 half-to-even
@@ -53,6 +55,17 @@ constexpr float V4_TH[15] = {0x1.ae89fap-1f, 0x1.306fe0p-1f, 0x1.ae89fap-2f, 0x1
                              0x1.ae89fap-6f, 0x1.306fe0p-6f, 0x1.ae89fap-7f, 0x1.306fe0p-7f, 0x1.ae89fap-8f};
 constexpr float V2_DECODE[4] = {0x1p+0f, 0x1p-2f, 0x1p-4f, 0x1p-6f};
 constexpr float V2_TH[3] = {0x1p-1f, 0x1p-3f, 0x1p-5f};
+// int8's v: logarithmic, code c -> 2^(-c/16) (256 codes in 1/16-octave steps), kept as one octave: code
+// c's value is V8_OCTAVE[c & 15] * 2^-(c >> 4), an exact shift of the exponent (``v8_shifted``); likewise
+// nearest rounding's thresholds, the geometric means of neighbouring values (2^(-(c + 1/2)/16)).
+constexpr float V8_OCTAVE[16] = {0x1p+0f, 0x1.ea4afap-1f, 0x1.d5818ep-1f, 0x1.c199bep-1f, 0x1.ae89fap-1f,
+                                 0x1.9c4918p-1f, 0x1.8ace54p-1f, 0x1.7a1148p-1f, 0x1.6a09e6p-1f, 0x1.5ab07ep-1f,
+                                 0x1.4bfdaep-1f, 0x1.3dea64p-1f, 0x1.306fe0p-1f, 0x1.2387a6p-1f, 0x1.172b84p-1f,
+                                 0x1.0b5586p-1f};
+constexpr float V8_TH_OCTAVE[16] = {0x1.f50766p-1f, 0x1.dfc974p-1f, 0x1.cb720ep-1f, 0x1.b7f770p-1f,
+                                    0x1.a5503cp-1f, 0x1.93737cp-1f, 0x1.82589ap-1f, 0x1.71f75ep-1f,
+                                    0x1.6247ecp-1f, 0x1.5342b6p-1f, 0x1.44e086p-1f, 0x1.371a74p-1f,
+                                    0x1.29e9e0p-1f, 0x1.1d4874p-1f, 0x1.11301ep-1f, 0x1.059b0ep-1f};
 
 template <int W>
 struct MMap;
@@ -190,10 +203,42 @@ inline uint32_t fbits(float x) {
   std::memcpy(&u, &x, 4);
   return u;
 }
+// fbits for constant tables: the bits of a positive normal float, by arithmetic
+constexpr uint32_t fbits_c(float x) {
+  int e = 0;
+  while (x >= 2.0f) x *= 0.5f, ++e;
+  while (x < 1.0f) x *= 2.0f, --e;
+  return (uint32_t)(e + 127) << 23 | (uint32_t)((x - 1.0f) * 8388608.0f);
+}
 inline float bfloat(uint32_t u) {
   float x;
   std::memcpy(&x, &u, 4);
   return x;
+}
+
+// int8's v map: the value (``octave`` = V8_OCTAVE) or threshold (V8_TH_OCTAVE) of code c, in c's octave.
+inline float v8_shifted(const float* octave, uint32_t c) { return bfloat(fbits(octave[c & 15u]) - ((c >> 4) << 23)); }
+// How many of int8's v values below the largest (codes 1..255) lie above y (finite, >= 0): 16 for each
+// octave wholly above y's (y in [2^-k, 2^(1-k)): 16 (k - 1)), and those of y's own octave, whose exponent
+// is y's, by their mantissas; at most 255.
+inline int v8_values_above(float y) {
+  const uint32_t b = fbits(y);
+  int count = 16 * (126 - (int)(b >> 23));
+  for (int j = 1; j < 16; ++j) count += (b & 0x7fffffu) < (fbits(V8_OCTAVE[j]) & 0x7fffffu);
+  return count < 0 ? 0 : (count > V8_LAST ? V8_LAST : count);
+}
+// int8's v code of a normalized y: the nearest (how many thresholds lie above y: the values above it, and
+// the threshold below the last of those if it is above y too) or, with ``sr``, y rounded stochastically
+// between its neighbouring values by ``u`` (as ``sr_encode_v``).
+inline uint8_t v8_code(float y, bool sr, float u) {
+  const int k = v8_values_above(y);
+  if (!sr) {
+    const int code = k + (v8_shifted(V8_TH_OCTAVE, k) > y);
+    return (uint8_t)(code < V8_LAST ? code : V8_LAST);
+  }
+  const int nx = k < V8_LAST ? k + 1 : V8_LAST;
+  const float upper = v8_shifted(V8_OCTAVE, k), lower = v8_shifted(V8_OCTAVE, nx);
+  return (uint8_t)((y - lower) > u * (upper - lower) ? k : nx);
 }
 
 // fp32 -> bf16, round to nearest even (Tensor.to(torch.bfloat16) for every number and infinity); every
@@ -241,6 +286,62 @@ inline __m512 uniform16(int64_t index, uint32_t key) {
   const __m512i x = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota),
                                      _mm512_set1_epi32((int)key));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(mix32x16(x), 9)), _mm512_set1_ps(0x1p-23f));
+}
+
+// int8's v map, 16 lanes (as v8_shifted, v8_values_above, v8_code). Within an octave, how many values or
+// thresholds lie above a mantissa comes from its top 5 bits and one compare: a 1/32 slice of mantissas holds
+// at most one of them (their spacing is above 1/32 of an octave's span), so ``V8Slices`` counts those above
+// each whole slice and the next one (descending) is compared; 0 past the end is never above. The counts
+// include the 16 * 126 values or thresholds of the octaves above [2^-127, 2^-126), so that y's own count is
+// theirs less 16 per octave of its exponent; lookups read only an index's low 4 or 5 bits, which adding
+// 16 * 126 (a multiple of 32) leaves alone.
+constexpr int32_t V8_OCTAVES_ABOVE = 16 * 126;
+struct V8Slices {
+  alignas(64) int32_t values_above[32], thresholds_above[32];  // per slice of the top 5 mantissa bits
+  alignas(64) int32_t value_after[16], threshold_after[32];     // the mantissa compared: the next one down
+  constexpr V8Slices() : values_above(), thresholds_above(), value_after(), threshold_after() {
+    for (int j = 1; j < 16; ++j) value_after[j - 1] = (int32_t)(fbits_c(V8_OCTAVE[j]) & 0x7fffffu);
+    for (int j = 0; j < 16; ++j) threshold_after[j] = (int32_t)(fbits_c(V8_TH_OCTAVE[j]) & 0x7fffffu);
+    for (int b = 0; b < 32; ++b) {
+      const int32_t top = (b + 1) << 18;  // every mantissa of slice b is below this
+      values_above[b] = thresholds_above[b] = V8_OCTAVES_ABOVE;
+      for (int j = 0; j < 15; ++j) values_above[b] += value_after[j] >= top;
+      for (int j = 0; j < 16; ++j) thresholds_above[b] += threshold_after[j] >= top;
+    }
+  }
+};
+constexpr V8Slices V8_SLICES{};
+constexpr Padded16<16, 16> V8_OCT16(V8_OCTAVE, 0.0f);
+inline __m512 v8_shifted16(__m512 octave, __m512i c) {
+  const __m512i bits = _mm512_castps_si512(_mm512_permutexvar_ps(c, octave));  // octave[c & 15]
+  return _mm512_castsi512_ps(_mm512_sub_epi32(bits, _mm512_slli_epi32(_mm512_srli_epi32(c, 4), 23)));
+}
+// How many values (``THRESHOLDS``: thresholds) lie above y: 16 per octave wholly above y's, plus those of
+// y's octave above its mantissa; clamped to [0, 255].
+template <bool THRESHOLDS>
+inline __m512i v8_above16(__m512 y) {
+  const __m512i b = _mm512_castps_si512(y);
+  const int32_t* above = THRESHOLDS ? V8_SLICES.thresholds_above : V8_SLICES.values_above;
+  // the slice: the low 5 bits of b >> 18, the mantissa's top 5
+  __m512i count = _mm512_permutex2var_epi32(_mm512_load_si512(above), _mm512_srli_epi32(b, 18),
+                                            _mm512_load_si512(above + 16));
+  const __m512i next = THRESHOLDS ? _mm512_permutex2var_epi32(_mm512_load_si512(V8_SLICES.threshold_after), count,
+                                                              _mm512_load_si512(V8_SLICES.threshold_after + 16))
+                                  : _mm512_permutexvar_epi32(count, _mm512_load_si512(V8_SLICES.value_after));
+  const __m512i mant = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffff));
+  count = _mm512_mask_add_epi32(count, _mm512_cmplt_epi32_mask(mant, next), count, _mm512_set1_epi32(1));
+  count = _mm512_sub_epi32(count, _mm512_and_si512(_mm512_srli_epi32(b, 19), _mm512_set1_epi32(0xff0)));  // 16 e
+  return _mm512_min_epi32(_mm512_max_epi32(count, _mm512_setzero_si512()), _mm512_set1_epi32(V8_LAST));
+}
+inline __m512i v8_code16(__m512 y, bool sr, int64_t index, uint32_t key) {
+  if (!sr) return v8_above16<true>(y);
+  const __m512i k = v8_above16<false>(y), last = _mm512_set1_epi32(V8_LAST), one = _mm512_set1_epi32(1);
+  const __m512 octave = _mm512_load_ps(V8_OCT16.t);
+  const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(k, one), last);
+  const __m512 upper = v8_shifted16(octave, k), lower = v8_shifted16(octave, nx);
+  const __mmask16 up = _mm512_cmp_ps_mask(
+      _mm512_sub_ps(y, lower), _mm512_mul_ps(uniform16(index, key), _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
+  return _mm512_mask_blend_epi32(up, nx, k);
 }
 #endif
 
@@ -343,11 +444,11 @@ inline float e4m3_decode(uint32_t c) {
 
 // One int8 chunk of 256 elements, all pointers local to the chunk (the portable path; the vector
 // passes below compute the same). ``valid`` < 256 only for a tail that was copied into zero-padded
-// buffers: the padding lanes are zeroed before the block maxima.
+// buffers: the padding lanes are zeroed before the block maxima. ``base``: the stream index of element 0.
 template <bool MAXIMIZE, bool L2>
 inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
                    float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs, const Hyper& h,
-                   int valid) {
+                   int valid, int64_t base) {
   alignas(64) float mn[CHUNK];
   alignas(64) float vn[CHUNK];
   alignas(64) uint32_t mab[CHUNK];
@@ -366,7 +467,7 @@ inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __re
       if (L2) gi = gi + pi * h.wd;
       pi = pi * h.decay;
       float m = e4m3_decode(mc[o + i]) * msc;
-      float v = (float)(int32_t)(vc[o + i] + 1u) * vsc;
+      float v = v8_shifted(V8_OCTAVE, vc[o + i]) * vsc;
       m = m * h.b1 + gi * h.omb1;
       v = v * h.b2 + (gi * gi) * h.omb2;
       float den = std::sqrt(v) * h.ibc2 + h.eps;
@@ -401,7 +502,7 @@ inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __re
     mcu[i] = (uint8_t)code;
   }
 
-  // second moment: clean (negative/NaN -> 0, <= CLAMP), linear map without zero
+  // second moment: clean (negative/NaN -> 0, <= CLAMP), log map
   for (int half = 0; half < 2; ++half) {
     const int o = half * HALF;
     uint32_t vmax = fbits(V_FLOOR);
@@ -412,12 +513,11 @@ inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __re
       vmax = u > vmax ? u : vmax;
     }
     const float VA = bfloat(vmax);
-    const float vinv = 256.0f / VA;
-    vs[half] = VA * (1.0f / 256.0f);
+    const float vinv = 1.0f / VA;
+    vs[half] = VA;
     for (int i = 0; i < HALF; ++i) {
-      float q = bfloat(mab[o + i]) * vinv;
-      int32_t r = (int32_t)((q + TWO23) - TWO23) - 1;
-      vcu[o + i] = (uint8_t)(r < 0 ? 0 : (r > 255 ? 255 : r));
+      const float u = h.sr_v ? uniform(base + o + i, h.key_v) : 0.0f;
+      vcu[o + i] = v8_code(bfloat(mab[o + i]) * vinv, h.sr_v, u);
     }
   }
   std::memcpy(mc, mcu, CHUNK);
@@ -697,6 +797,7 @@ struct Staged {
   alignas(64) float mn[CHUNK];  // cleaned new m
   alignas(64) float vn[CHUNK];  // cleaned new v
   float A, VA[2];               // |m| maximum, v maxima
+  int64_t base;                 // the stream index of the chunk's first element (stochastic rounding)
   uint8_t* mc;
   float* ms;
   uint8_t* vc;
@@ -741,7 +842,7 @@ inline void clean_staged(Staged& st) {
 template <bool MAXIMIZE, bool L2, bool TAIL>
 inline void pass1_avx512(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
                          float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs,
-                         const Hyper& h, int valid, Staged& st) {
+                         const Hyper& h, int valid, int64_t base, Staged& st) {
   float* __restrict mn = st.mn;
   float* __restrict vn = st.vn;
   const __m512 decay = _mm512_set1_ps(h.decay), wd = _mm512_set1_ps(h.wd);
@@ -750,7 +851,7 @@ inline void pass1_avx512(float* __restrict p, const float* __restrict g, uint8_t
   const __m512 ibc2 = _mm512_set1_ps(h.ibc2), eps = _mm512_set1_ps(h.eps);
   const __m512 nstep = _mm512_set1_ps(h.nstep);
   const __m512i sign_mask = _mm512_set1_epi32((int)0x80000000u);
-  const __m512i one = _mm512_set1_epi32(1);
+  const __m512 v_octave = _mm512_load_ps(V8_OCT16.t);
 
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   __m512i amaxi = _mm512_setzero_si512();  // |m| maximum, bits
@@ -771,7 +872,7 @@ inline void pass1_avx512(float* __restrict p, const float* __restrict g, uint8_t
       __m512i bits = _mm512_and_si512(_mm512_slli_epi32(cm, 20), _mm512_set1_epi32((int)0x87F00000u));
       __m512 m = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p112f));
       m = _mm512_mul_ps(m, msc);
-      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(cv, one)), vsc);
+      __m512 v = _mm512_mul_ps(v8_shifted16(v_octave, cv), vsc);
       m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(gi, omb1));
       v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
       __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
@@ -796,6 +897,7 @@ inline void pass1_avx512(float* __restrict p, const float* __restrict g, uint8_t
   st.A = bfloat(_mm512_reduce_max_epu32(amaxi));
   for (int i = 0; i < 2; ++i) st.VA[i] = bfloat(_mm512_reduce_max_epu32(vmaxi[i]));
   if (!st.clean()) clean_staged(st);
+  st.base = base;
   st.mc = mc;
   st.ms = ms;
   st.vc = vc;
@@ -803,7 +905,7 @@ inline void pass1_avx512(float* __restrict p, const float* __restrict g, uint8_t
 }
 
 // Pass 2: block scales and codes of a staged chunk.
-inline void pass2_avx512(Staged& st) {
+inline void pass2_avx512(Staged& st, const Hyper& h) {
   const float* __restrict mn = st.mn;
   const float* __restrict vn = st.vn;
   uint8_t* __restrict mc = st.mc;
@@ -836,13 +938,11 @@ inline void pass2_avx512(Staged& st) {
   // second moment: encode
   for (int half = 0; half < 2; ++half) {
     const float VA = st.VA[half];
-    const __m512 vinv = _mm512_set1_ps(256.0f / VA);
-    st.vs[half] = VA * (1.0f / 256.0f);
+    const __m512 vinv = _mm512_set1_ps(1.0f / VA);
+    st.vs[half] = VA;
     for (int k = half * HALF; k < (half + 1) * HALF; k += 16) {
-      __m512 q = _mm512_mul_ps(_mm512_load_ps(vn + k), vinv);
-      __m512i r = _mm512_cvt_roundps_epi32(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      r = _mm512_sub_epi32(_mm512_max_epi32(r, one), one);  // round(q) - 1, at least 0
-      _mm_storeu_si128((__m128i*)(vc + k), _mm512_cvtusepi32_epi8(r));  // saturates 256 -> 255
+      const __m512i code = v8_code16(_mm512_mul_ps(_mm512_load_ps(vn + k), vinv), h.sr_v, st.base + k, h.key_v);
+      _mm_storeu_si128((__m128i*)(vc + k), _mm512_cvtepi32_epi8(code));
     }
   }
 }
@@ -864,10 +964,53 @@ inline __m128i bytes8(__m256i x) {
   return _mm_packus_epi16(w, w);
 }
 
+// int8's v map, 8 lanes (as v8_shifted, v8_values_above, v8_code): table[c & 15] from two 8-lane halves.
+inline __m256 lookup16(const float* table, __m256i c) {
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), c);
+  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), c);
+  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));  // by bit 3 of c
+}
+inline __m256 v8_shifted8(const float* octave, __m256i c) {
+  const __m256i bits = _mm256_castps_si256(lookup16(octave, c));
+  return _mm256_castsi256_ps(_mm256_sub_epi32(bits, _mm256_slli_epi32(_mm256_srli_epi32(c, 4), 23)));
+}
+inline __m256i v8_values_above8(__m256 y) {
+  const __m256i b = _mm256_castps_si256(y);
+  const __m256 mant = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffff)), _mm256_set1_epi32(0x3f800000)));
+  __m256i count = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(126), _mm256_srli_epi32(b, 23)), 4);
+  for (int j = 1; j < 16; ++j)  // a true compare is -1
+    count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(mant, _mm256_set1_ps(V8_OCTAVE[j] * 2.0f), _CMP_LT_OQ)));
+  return _mm256_min_epi32(_mm256_max_epi32(count, _mm256_setzero_si256()), _mm256_set1_epi32(V8_LAST));
+}
+// ``uniform`` of the 8 elements from ``index``.
+inline __m256 uniform8(int64_t index, uint32_t key) {
+  __m256i x = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)index), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                               _mm256_set1_epi32((int)key));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x2c1b3c6d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9)), _mm256_set1_ps(0x1p-23f));
+}
+inline __m256i v8_code8(__m256 y, bool sr, int64_t index, uint32_t key) {
+  const __m256i k = v8_values_above8(y), last = _mm256_set1_epi32(V8_LAST), one = _mm256_set1_epi32(1);
+  if (!sr) {
+    const __m256 above = _mm256_cmp_ps(v8_shifted8(V8_TH_OCTAVE, k), y, _CMP_GT_OQ);
+    return _mm256_min_epi32(_mm256_sub_epi32(k, _mm256_castps_si256(above)), last);
+  }
+  const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(k, one), last);
+  const __m256 upper = v8_shifted8(V8_OCTAVE, k), lower = v8_shifted8(V8_OCTAVE, nx);
+  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lower), _mm256_mul_ps(uniform8(index, key), _mm256_sub_ps(upper, lower)),
+                                  _CMP_GT_OQ);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(nx), _mm256_castsi256_ps(k), up));
+}
+
 template <bool MAXIMIZE, bool L2, bool TAIL>
 inline void pass1_avx2(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
                        float* __restrict ms, uint8_t* __restrict vc, float* __restrict vs, const Hyper& h,
-                       int valid, Staged& st) {
+                       int valid, int64_t base, Staged& st) {
   float* __restrict mn = st.mn;
   float* __restrict vn = st.vn;
   const __m256 decay = _mm256_set1_ps(h.decay), wd = _mm256_set1_ps(h.wd);
@@ -876,7 +1019,6 @@ inline void pass1_avx2(float* __restrict p, const float* __restrict g, uint8_t* 
   const __m256 ibc2 = _mm256_set1_ps(h.ibc2), eps = _mm256_set1_ps(h.eps);
   const __m256 nstep = _mm256_set1_ps(h.nstep);
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-  const __m256i one = _mm256_set1_epi32(1);
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
 
   __m256i amaxi = _mm256_setzero_si256();
@@ -895,7 +1037,7 @@ inline void pass1_avx2(float* __restrict p, const float* __restrict g, uint8_t* 
       __m256i bits = _mm256_and_si256(_mm256_slli_epi32(cm, 20), _mm256_set1_epi32((int)0x87F00000u));
       __m256 m = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p112f));
       m = _mm256_mul_ps(m, msc);
-      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(cv, one)), vsc);
+      __m256 v = _mm256_mul_ps(v8_shifted8(V8_OCTAVE, cv), vsc);
       m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(gi, omb1));
       v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(gi, gi), omb2));
       __m256 den = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), ibc2), eps);
@@ -915,13 +1057,14 @@ inline void pass1_avx2(float* __restrict p, const float* __restrict g, uint8_t* 
   st.A = bfloat(hmaxu8(amaxi));
   for (int i = 0; i < 2; ++i) st.VA[i] = bfloat(hmaxu8(vmaxi[i]));
   if (!st.clean()) clean_staged(st);
+  st.base = base;
   st.mc = mc;
   st.ms = ms;
   st.vc = vc;
   st.vs = vs;
 }
 
-inline void pass2_avx2(Staged& st) {
+inline void pass2_avx2(Staged& st, const Hyper& h) {
   const float* __restrict mn = st.mn;
   const float* __restrict vn = st.vn;
   uint8_t* __restrict mc = st.mc;
@@ -953,12 +1096,11 @@ inline void pass2_avx2(Staged& st) {
   }
   for (int half = 0; half < 2; ++half) {
     const float VA = st.VA[half];
-    const __m256 vinv = _mm256_set1_ps(256.0f / VA);
-    st.vs[half] = VA * (1.0f / 256.0f);
+    const __m256 vinv = _mm256_set1_ps(1.0f / VA);
+    st.vs[half] = VA;
     for (int k = half * HALF; k < (half + 1) * HALF; k += 8) {
-      __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(vn + k), vinv));  // MXCSR: nearest-even
-      r = _mm256_sub_epi32(_mm256_max_epi32(r, one), one);
-      _mm_storel_epi64((__m128i*)(vc + k), bytes8(r));  // packus saturates 256 -> 255
+      const __m256i code = v8_code8(_mm256_mul_ps(_mm256_load_ps(vn + k), vinv), h.sr_v, st.base + k, h.key_v);
+      _mm_storel_epi64((__m128i*)(vc + k), bytes8(code));
     }
   }
 }
@@ -990,7 +1132,7 @@ using Int2 = Fmt<2, 32, 2, 64>;
 template <class F, bool MAXIMIZE, bool L2>
 inline void one_chunk(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, const Hyper& h,
                       int valid, int64_t base) {
-  if constexpr (F::MW == 8) chunk8<MAXIMIZE, L2>(p, g, mc, ms, vc, vs, h, valid);
+  if constexpr (F::MW == 8) chunk8<MAXIMIZE, L2>(p, g, mc, ms, vc, vs, h, valid, base);
   else tchunk<F::MW, F::MB, F::VW, F::VB, MAXIMIZE, L2>(p, g, mc, ms, vc, vs, h, valid, base);
 }
 
@@ -1033,9 +1175,9 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
       float *msc = ms + c * F::MS, *vsc = vs + c * F::VS;
 #if defined(MQ_PASS1)
       if constexpr (F::MW == 8) {
-        MQ_PASS1<MAXIMIZE, L2, false>(pc, gc, mcc, msc, vcc, vsc, h, CHUNK, staged[c & 1]);
+        MQ_PASS1<MAXIMIZE, L2, false>(pc, gc, mcc, msc, vcc, vsc, h, CHUNK, offset + c * CHUNK, staged[c & 1]);
         if (shadow) to_bf16(pc, shadow + c * CHUNK, CHUNK);  // pass 1 wrote the chunk's weights
-        if (c > c0) MQ_PASS2(staged[(c - 1) & 1]);
+        if (c > c0) MQ_PASS2(staged[(c - 1) & 1], h);
         continue;
       }
 #endif
@@ -1044,7 +1186,7 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
     }
 #if defined(MQ_PASS1)
     if constexpr (F::MW == 8) {
-      if (c1 > c0) MQ_PASS2(staged[(c1 - 1) & 1]);
+      if (c1 > c0) MQ_PASS2(staged[(c1 - 1) & 1], h);
     }
 #endif
   }
@@ -1069,8 +1211,8 @@ void run(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* v
 #if defined(MQ_PASS1)
   if constexpr (F::MW == 8) {
     Staged staged;
-    MQ_PASS1<MAXIMIZE, L2, true>(tp, tg, tmc, tms, tvc, tvs, h, rest, staged);
-    MQ_PASS2(staged);
+    MQ_PASS1<MAXIMIZE, L2, true>(tp, tg, tmc, tms, tvc, tvs, h, rest, offset + c * CHUNK, staged);
+    MQ_PASS2(staged, h);
   } else {
     one_chunk<F, MAXIMIZE, L2>(tp, tg, tmc, tms, tvc, tvs, h, rest, offset + c * CHUNK);
   }
@@ -1110,7 +1252,7 @@ void dispatch_flags(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* v
 
 extern "C" {
 
-int mq_abi_version() { return 4; }
+int mq_abi_version() { return 5; }
 
 const char* mq_isa() {
 #if defined(__AVX512F__)
@@ -1124,8 +1266,8 @@ const char* mq_isa() {
 
 // The constants the kernel was built with, for the loader to compare with codecs.py: the layout of
 // formats 8, 4, 3, 2 (m width, m block, v width, v block: 16 values), then m decode tables by code (4
-// bits: 16, 2 bits: 4), m midpoints (15, 3), v decode tables (16, 4), v thresholds (15, 3), V_FLOOR:
-// 93 floats.
+// bits: 16, 2 bits: 4), m midpoints (15, 3), v decode tables (16, 4), v thresholds (15, 3), V_FLOOR, and
+// int8's v map as one octave: values (16) and thresholds (16): 125 floats.
 void mq_tables(float* out) {
   int k = 0;
   for (int f : {Int8::MW, Int8::MB, Int8::VW, Int8::VB, Int4::MW, Int4::MB, Int4::VW, Int4::VB, Int3::MW,
@@ -1140,16 +1282,18 @@ void mq_tables(float* out) {
   for (float x : V4_TH) out[k++] = x;
   for (float x : V2_TH) out[k++] = x;
   out[k++] = V_FLOOR;
+  for (float x : V8_OCTAVE) out[k++] = x;
+  for (float x : V8_TH_OCTAVE) out[k++] = x;
 }
 
 // hyper: decay, wd, beta1, 1-beta1, beta2, 1-beta2, 1/sqrt(bc2), eps, -lr/bc1 (all float32).
-// bits: the format (8, 4, 3 or 2). sr: bit 0 rounds m stochastically, bit 1 v (table formats only), with
+// bits: the format (8, 4, 3 or 2). sr: bit 0 rounds m stochastically (not int8's), bit 1 v, with
 // the keys key_m / key_v; offset: the index of p[0] in the stream of random numbers. Returns 0 on
 // success, -1 for bad arguments. shadow (may be null): n bf16 values, each updated weight rounded to it.
 int mq_adamw_step(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, uint16_t* shadow,
                   int64_t n, int bits, const float* hyper, int maximize, int l2, int nthreads, int sr,
                   uint32_t key_m, uint32_t key_v, int64_t offset) {
-  if (n < 0 || (bits != 8 && bits != 4 && bits != 3 && bits != 2) || (bits == 8 && sr)) return -1;
+  if (n < 0 || (bits != 8 && bits != 4 && bits != 3 && bits != 2) || (bits == 8 && (sr & 1))) return -1;
   if (n == 0) return 0;
   Hyper h{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5],
           hyper[6], hyper[7], hyper[8], (sr & 1) != 0, (sr & 2) != 0, key_m, key_v};
