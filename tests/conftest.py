@@ -77,14 +77,18 @@ def fit(
     seq_len: int = 32,
     batch_size: int = 2,
     lr: float = 3e-3,
+    ckpt_path: Any = None,
     **trainer_kwargs: Any,
 ) -> Run:
-    """Train a copy of ``model`` on the shipped corpus: two param groups, warmup + cosine schedule."""
+    """Train a copy of ``model`` on the shipped corpus: two param groups, warmup + cosine schedule (from
+    ``ckpt_path``'s step when given)."""
     module = CausalLMModule(copy.deepcopy(model), lr=lr, warmup_steps=2, max_steps=steps)
     recorder = LossRecorder()
     trainer = quiet_trainer(strategy, steps, [recorder], **trainer_kwargs)
     torch.manual_seed(1)
-    trainer.fit(module, datamodule=TextDataModule(seq_len=seq_len, batch_size=batch_size))
+    trainer.fit(
+        module, datamodule=TextDataModule(seq_len=seq_len, batch_size=batch_size), ckpt_path=ckpt_path
+    )
     return Run(module, trainer, recorder.losses)
 
 

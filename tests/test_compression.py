@@ -4,6 +4,7 @@ resume and refusal of state stored in another format, for every mode."""
 from __future__ import annotations
 
 import copy
+import math
 
 import lightning as L
 import pytest
@@ -15,6 +16,7 @@ from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim import state_dict as adam_state
 
 COMPRESSED = ["int8", "int4", "int3", "int2"]
 # bytes of m, v (and scales) per parameter: codecs.state_bytes of each format (2.047, 1.094, 0.875, 0.6875)
@@ -87,31 +89,58 @@ def _linear_v8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(-1)[: v.numel()], scales
 
 
+def _with_linear_v8(saved: dict) -> tuple[dict, dict[int, torch.Tensor]]:
+    """``saved``'s int8 blocks with their v as versions 1 and 2 stored it, and the values those codes mean."""
+    blocks, meant = {}, {}
+    for block, state in saved["blocks"].items():
+        n = state["v_codes"].numel()
+        codes, scales = _linear_v8(codecs.dequantize(state["v_codes"], state["v_scales"], "v", 8, n))
+        blocks[block] = {**{k: t.clone() for k, t in state.items()}, "v_codes": codes, "v_scales": scales}
+        meant[block] = (codes.to(torch.float32) + 1) * scales.repeat_interleave(128)[:n]
+    return {**saved, "blocks": blocks}, meant
+
+
+def _assert_converted(optimizer, old: dict, meant: dict[int, torch.Tensor]) -> None:
+    """m as saved; v within the log map's rounding of what the old codes meant."""
+    assert sum(v.numel() for v in meant.values()) > 0
+    for block, state in optimizer.state_dict()["blocks"].items():
+        assert torch.equal(state["m_codes"], old["blocks"][block]["m_codes"])
+        v = codecs.dequantize(state["v_codes"], state["v_scales"], "v", 8, state["v_codes"].numel())
+        assert ((v - meant[block]).abs() <= codecs.error_bound(meant[block], "v", 8)).all()
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_int8_state_with_the_linear_v_map_is_converted(version):
-    """int8 state saved by format versions 1 and 2 (v on a linear map) loads into today's log map: m as
-    saved, v within the log map's rounding of what the old codes meant; training goes on from it."""
+    """int8 state saved by format versions 1 and 2 (v on a linear map) loads into today's log map."""
     run = fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=2)
     optimizer = run.trainer.optimizers[0]
-    saved = optimizer.state_dict()
-    old_blocks, old_v = {}, {}
-    for block, state in saved["blocks"].items():
-        v = codecs.dequantize(state["v_codes"], state["v_scales"], "v", 8, state["v_codes"].numel())
-        codes, scales = _linear_v8(v)
-        old_blocks[block] = {**{k: t.clone() for k, t in state.items()}, "v_codes": codes, "v_scales": scales}
-        old_v[block] = (codes.to(torch.float32) + 1) * scales.repeat_interleave(128)[: codes.numel()]
-    old = {**saved, "blocks": old_blocks, "codec": {"compression": "int8", "version": version}}
+    old, meant = _with_linear_v8(optimizer.state_dict())
+    old["codec"] = {"compression": "int8", "version": version}
     if version == 1:  # saved before the codec was recorded
         del old["codec"]
     optimizer.load_state_dict(old)
-    loaded = optimizer.state_dict()["blocks"]
-    assert sum(old_v[b].numel() for b in old_v) > 0
-    for block, state in loaded.items():
-        assert torch.equal(state["m_codes"], old_blocks[block]["m_codes"])
-        v = codecs.dequantize(state["v_codes"], state["v_scales"], "v", 8, state["v_codes"].numel())
-        assert ((v - old_v[block]).abs() <= codecs.error_bound(old_v[block], "v", 8)).all()
-    optimizer.step()  # the gradients of the last step are gone: a zero-gradient step on the converted state
-    assert all(torch.isfinite(p).all() for p in run.trainer.lightning_module.parameters())
+    _assert_converted(optimizer, old, meant)
+
+
+def test_an_int8_checkpoint_with_the_linear_v_map_resumes_converted(tmp_path, monkeypatch):
+    """A checkpoint directory written by format version 2 resumes under today's: its v converted, then
+    training goes on from it."""
+    strategy = MegaTrainStrategy(optimizer_compression="int8")
+    run = fit(tiny_model("llama"), strategy, steps=2)
+    optimizer = run.trainer.optimizers[0]
+    old, meant = _with_linear_v8(optimizer.state_dict())
+    optimizer.load_state_dict(old)  # the store now holds version 2's codes, as such a run left them
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            adam_state, "codec_info", lambda compression: {"compression": compression, "version": 2}
+        )
+        run.trainer.save_checkpoint(tmp_path / "v2.ckpt")
+    resumed = fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=2,
+                  ckpt_path=tmp_path / "v2.ckpt")  # fmt: skip
+    _assert_converted(resumed.trainer.optimizers[0], old, meant)
+    more = fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=4,
+               ckpt_path=tmp_path / "v2.ckpt")  # fmt: skip
+    assert len(more.losses) == 2 and all(math.isfinite(loss) for loss in more.losses)
 
 
 def _resumable_fit(compression: str, root, steps: int, ckpt_path=None) -> tuple[list[float], dict]:
