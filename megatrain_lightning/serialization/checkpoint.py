@@ -256,7 +256,8 @@ def load_optimizer(checkpoint: Mapping[str, Any], engine: Any, optimizer: Any) -
         return
     if optimizer.compression != "none" and "blocks" not in state:
         blocks = adam_state_as_blocks(state["state"], engine, optimizer)
-        state = {"param_groups": state["param_groups"], "state": {}, "blocks": blocks}
+        codec = adam_state.codec_info(optimizer.compression)  # quantized just now, by today's codec
+        state = {"param_groups": state["param_groups"], "state": {}, "blocks": blocks, "codec": codec}
     optimizer.load_state_dict(state)
 
 
