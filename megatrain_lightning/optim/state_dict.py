@@ -122,6 +122,9 @@ def codec_info(compression: str) -> dict[str, Any]:
     return {"compression": compression, "version": codecs.FORMAT_VERSION}
 
 
+_INT8_LINEAR_V = (1, 2)  # format versions whose int8 v has a linear map
+
+
 def check_codec(compression: str, saved: dict[str, Any] | None) -> int:
     """The format version of compressed moments stored by ``compression``'s codec, refusing another
     compression's and versions that cannot be read. State saved before the codec was recorded (version 1)
@@ -142,9 +145,6 @@ def check_codec(compression: str, saved: dict[str, Any] | None) -> int:
             "resume it with the megatrain that wrote it, or train on from its weights with a fresh optimizer."
         )
     return version
-
-
-_INT8_LINEAR_V = (1, 2)  # format versions whose int8 v has a linear map
 
 
 def upgraded(tensors: dict[str, Tensor], version: int) -> dict[str, Tensor]:

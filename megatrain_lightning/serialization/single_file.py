@@ -112,9 +112,7 @@ def _adam_state(ckpt: CheckpointDir) -> dict[int, dict[str, Tensor]]:
     for block, (params, layout) in enumerate(
         zip(ckpt.manifest["blocks"], ckpt.manifest["layout"], strict=True)
     ):
-        saved = optimizer_block(entries, block)
-        if bits:
-            saved = adam_state.upgraded(saved, version)
+        saved = adam_state.upgraded(optimizer_block(entries, block), version)
         m, v = saved["exp_avg"], saved["exp_avg_sq"]
         quantized = layout["numel"] - m.numel()  # elements [0, quantized) have block-quantized moments
         if quantized:
