@@ -125,8 +125,7 @@ def test_int8_state_with_the_linear_v_map_is_converted(version):
 def test_an_int8_checkpoint_with_the_linear_v_map_resumes_converted(tmp_path, monkeypatch):
     """A checkpoint directory written by format version 2 resumes under today's: its v converted, then
     training goes on from it."""
-    strategy = MegaTrainStrategy(optimizer_compression="int8")
-    run = fit(tiny_model("llama"), strategy, steps=2)
+    run = fit(tiny_model("llama"), MegaTrainStrategy(optimizer_compression="int8"), steps=2)
     optimizer = run.trainer.optimizers[0]
     old, meant = _with_linear_v8(optimizer.state_dict())
     optimizer.load_state_dict(old)  # the store now holds version 2's codes, as such a run left them

@@ -317,7 +317,7 @@ def encode_v_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tens
     (``clean_v``) first when it holds NaN, Inf, negative values or magnitudes above ``CLAMP``. With
     ``u``, rounds stochastically."""
     absmax = x.amax(dim=1)
-    if _needs_cleaning(absmax) or not bool((x >= 0).all()):
+    if _needs_cleaning(absmax) or (x.numel() and not bool(x.amin() >= 0)):
         x = clean_v(x)
         absmax = x.amax(dim=1)
     absmax = absmax.clamp_(min=V_FLOOR)
