@@ -19,6 +19,7 @@ The candidates here are plain whole-tensor torch (research code); the chosen for
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -247,6 +248,12 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+def _gain(a: Tensor, b: Tensor) -> float:
+    """How much of the exact ``b`` the approximation ``a`` carries: the least-squares factor
+    ``<a, b> / <b, b>`` (below 1: the quantized update is damped, like a lower learning rate)."""
+    return float((a * b).sum() / (b * b).sum().clamp(min=1e-30))
+
+
 # -- model and data --
 
 
@@ -352,12 +359,13 @@ def shipped(bits: int, stochastic: tuple[str, ...]) -> Callable:
     return codec
 
 
-SHIPPED = {
-    f"{name} {label}": shipped(bits, sr)
+SHIPPED_ROUNDINGS = [
+    (f"{name} {label}", bits, sr)
     for name, bits in (("int8", 8), ("int4", 4), ("int3", 3), ("int2", 2))
     for label, sr in (("nearest", ()), ("SR v", ("v",)), ("SR m", ("m",)), ("SR m+v", ("m", "v")))
     if bits != 8 or "m" not in sr  # int8's E4M3 m rounds to nearest only
-}
+]
+SHIPPED = {name: shipped(bits, sr) for name, bits, sr in SHIPPED_ROUNDINGS}
 
 
 def shipped_errors(args) -> None:
@@ -369,7 +377,7 @@ def shipped_errors(args) -> None:
     watch = tracked(model)
     state = {(n, c): [torch.zeros_like(p), torch.zeros_like(p)] for n, p in watch.items() for c in SHIPPED}
     exact = {n: [torch.zeros_like(p), torch.zeros_like(p)] for n, p in watch.items()}
-    err = {(x, c): [] for c in SHIPPED for x in "mvu"}
+    err = {(x, c): [] for c in SHIPPED for x in ("m", "v", "u", "gain", "gain m", "gain v")}
     data = batches(train, args.batch, args.seq, seed=0)
     start = time.perf_counter()
 
@@ -396,6 +404,9 @@ def shipped_errors(args) -> None:
                     err[("m", c)].append(_rel(m, em))
                     err[("v", c)].append(_rel(v, ev))
                     err[("u", c)].append(_rel(update(m, v, step), exact_u))
+                    err[("gain", c)].append(_gain(update(m, v, step), exact_u))
+                    err[("gain m", c)].append(_gain(update(m, ev, step), exact_u))
+                    err[("gain v", c)].append(_gain(update(em, v, step), exact_u))
                 state[(name, c)] = [codec("m", m, tensor_id, step), codec("v", v, tensor_id, step)]
         opt.step()
         if step % 50 == 0:
@@ -403,10 +414,57 @@ def shipped_errors(args) -> None:
     print(f"\nShipped formats, both moments quantized: RMS relative error, mean over steps 11..{args.steps} "
           f"and {len(watch)} tensors (lr {args.lr}, betas {betas}, hidden {args.hidden}, "
           f"{args.layers} layers):")  # fmt: skip
-    print("| format, rounding | m error | v error | update error |\n| --- | ---: | ---: | ---: |")
+    print(
+        "(gain: the update's least-squares factor on the exact one, <u_q, u> / <u, u>; with m or v alone"
+        " quantized, the other exact)"
+    )
+    print("| format, rounding | m error | v error | update error | gain | gain, m alone | gain, v alone |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in SHIPPED:
-        mean = [sum(err[(x, c)]) / len(err[(x, c)]) for x in "mvu"]
-        print(f"| {c} | {mean[0]:.4f} | {mean[1]:.4f} | {mean[2]:.4f} |")
+        mean = [sum(err[(x, c)]) / len(err[(x, c)]) for x in ("m", "v", "u", "gain", "gain m", "gain v")]
+        print(f"| {c} | " + " | ".join(f"{x:.4f}" for x in mean) + " |")
+
+
+# -- a gradient small beside its block's largest, through the fused step (the optimizer's own code) --
+
+
+def steady_travel(args) -> None:
+    """How far the weights whose gradient is ``r`` times their block's largest travel in 100 fused steps,
+    as a multiple of fp32 AdamW's distance (every 64th gradient 1, the rest ``r``, times
+    ``1 + noise * N(0, 1)``): below 1 the format damps them, above 1 it oversteps."""
+    from megatrain_lightning.optim import codecs, quantized
+
+    n, steps, hp = 1024, 100, dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    chosen = [row for row in SHIPPED_ROUNDINGS if row[0] in SHIPPED]  # as --only leaves them
+    rows = []
+    for r, noise in itertools.product((0.5, 0.25, 0.1), (0.0, 1.0)):
+        base = torch.full((n,), r)
+        base[::64] = 1.0
+        grads = [
+            base * (1 + noise * torch.randn(n, generator=torch.Generator().manual_seed(s)))
+            for s in range(steps)
+        ]
+        ref = torch.zeros(n, requires_grad=True)
+        opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        for g in grads:
+            ref.grad = g
+            opt.step()
+        cells = []
+        for _, bits, sr in chosen:
+            p, state = torch.zeros(n), codecs.empty_state(n, bits)
+            for step, g in enumerate(grads, start=1):
+                quantized.quantized_adamw_(p, g, *state, bits=bits, step=step, stochastic=sr, **hp)
+            small = base != 1.0
+            cells.append(float(p[small].mean() / ref.detach()[small].mean()))
+        rows.append((r, noise, cells))
+    print(
+        f"Distance travelled in {steps} fused steps by the weights whose gradient is r x their block's "
+        "largest, as a multiple of fp32 AdamW's:"
+    )
+    print("| r | noise | " + " | ".join(name for name, _, _ in chosen) + " |")
+    print("| ---: | ---: |" + " ---: |" * len(chosen))
+    for r, noise, cells in rows:
+        print(f"| {r:g} | {noise:g} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
 
 def main() -> None:
@@ -423,6 +481,9 @@ def main() -> None:
         "--shipped", action="store_true", help="the shipped formats, nearest vs stochastic rounding"
     )
     parser.add_argument(
+        "--steady", action="store_true", help="the fused step on gradients small beside their block's largest"
+    )
+    parser.add_argument(
         "--only", nargs="+", metavar="TEXT", help="only the candidates whose names contain one of these"
     )
     args = parser.parse_args()
@@ -431,7 +492,7 @@ def main() -> None:
             for name in [c for c in candidates if c != "fp32" and not any(t in c for t in args.only)]:
                 del candidates[name]
     torch.set_num_threads(1)
-    (shipped_errors if args.shipped else state_errors)(args)
+    (steady_travel if args.steady else shipped_errors if args.shipped else state_errors)(args)
 
 
 if __name__ == "__main__":

@@ -241,10 +241,10 @@ def test_rejects_bad_rounding() -> None:
 # -- AdamW semantics --
 
 
-def _reference_step(p, grad, m, v, step, mode) -> None:
+def _reference_step(p, grad, m, v, step, mode, hp=HP) -> None:
     """torch's single-tensor Adam(W); it increments the step count it is given."""
     adam([p], [grad], [m], [v], [], [torch.tensor(float(step - 1))], foreach=False, fused=False, amsgrad=False,
-         beta1=HP["beta1"], beta2=HP["beta2"], lr=HP["lr"], weight_decay=HP["weight_decay"], eps=HP["eps"],
+         beta1=hp["beta1"], beta2=hp["beta2"], lr=hp["lr"], weight_decay=hp["weight_decay"], eps=hp["eps"],
          maximize=mode["maximize"], decoupled_weight_decay=mode["decoupled_weight_decay"])  # fmt: skip
 
 
@@ -280,7 +280,7 @@ def test_step_is_adamw_on_the_decoded_state(bits: int, mode: dict, use_kernel: b
         assert (C.dequantize(vc, vs, "v", bits, n) > 0).all()
 
 
-@pytest.mark.parametrize("bits,limit", [(8, 0.1), (4, 0.3), (3, 0.6), (2, 0.8)])
+@pytest.mark.parametrize("bits,limit", [(8, 0.1), (4, 0.35), (3, 0.6), (2, 0.8)])
 def test_close_to_fp32_adamw_over_steps(bits: int, limit: float) -> None:
     """Against a full-precision AdamW run over 10 steps of uncorrelated gradients with magnitudes
     varying 7x inside blocks: drift / distance travelled (a regression figure; the measured values
@@ -295,9 +295,37 @@ def test_close_to_fp32_adamw_over_steps(bits: int, limit: float) -> None:
         _reference_step(ref, grad, m, v, step, mode)
     drift = float((p - ref).norm() / (ref - p0).norm())
     assert drift < limit, drift
-    # int8/int4: never more than the 10 steps' reach; int3/int2's 2-bit v may be read up to 2x too small
-    reach = 10 if bits >= 4 else 20
+    # int8: never more than the 10 steps' reach; the others' stochastic m may round up to the next value
+    # of its table, and 2-bit v may be read up to 2x too small
+    reach = 10 if bits == 8 else 20
     assert float((p - ref).abs().max()) < reach * HP["lr"]
+
+
+@pytest.mark.parametrize(
+    "bits",
+    [
+        *(bits for bits in BITS if bits != 2),
+        pytest.param(2, marks=pytest.mark.xfail(strict=True, reason="int2 rounds m to nearest (codecs.py)")),
+    ],
+)
+def test_a_steady_gradient_below_its_block_max_moves_its_weight_as_fp32_adamw_does(bits: int) -> None:
+    """Adam moves every weight about ``lr`` a step whatever its gradient's scale; a moment rounded to
+    nearest stays on its code (or at 0) when a step moves it by less than half a code, which would slow
+    the weights whose gradient is small beside their block's largest. Every 64th gradient is 1, the rest
+    1/4, over 100 steps: the small ones' weights travel as far as under fp32 AdamW (nearest m: 0.87x in
+    int4 and int3; int2, which keeps it, 0.57x; ``benchmarks/codec_candidates.py --steady`` adds noise)."""
+    hp = dict(HP, lr=1e-3, weight_decay=0.0)
+    n, mode = 1024, MODES[0]
+    grad = torch.full((n,), 0.25)
+    grad[::64] = 1.0
+    p, ref, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    state = C.empty_state(n, bits)
+    for step in range(1, 101):
+        Q.quantized_adamw_(p, grad, *state, bits=bits, step=step, **hp, **mode)
+        _reference_step(ref, grad, m, v, step, mode, hp)
+    small = grad != 1.0
+    travelled = float(p[small].mean() / ref[small].mean())
+    assert abs(travelled - 1) < 0.02, f"{C.FORMATS[bits].name}: {travelled:.3f}x fp32 AdamW's distance"
 
 
 # -- slices --

@@ -29,29 +29,39 @@ which shrinks those updates by up to 4x, while the logarithmic map keeps every e
 ``2^(step/2)`` of its value over 7.5 octaves. int8's v had a linear map too (format versions 1 and 2),
 which lifts every v below 1/256 of its block's max to that: with both moments stored, int8's update
 error is 0.147 with it and 0.079 with the 8-bit log map. The first moment is signed and well served by Li
-et al.'s map; smaller blocks cut its error further for 1/16 byte per parameter. Stochastic rounding is
-used for int4's v only: with both moments stored, it lowered the update's error there (0.404 -> 0.388),
-raised it for 2-bit v (int3 0.529 -> 0.610, int2 0.941 -> 1.053) and for every m, and for int8's v it
-would gain 12% (0.079 -> 0.069) for 1.6x the fused step's time.
+et al.'s map; smaller blocks cut its error further for 1/16 byte per parameter.
+
+Rounding is chosen by the update's *bias*, not by its RMS error alone: rounded to nearest, a moment stays
+on its code (or at 0) while each step moves it by less than half a code, so in the table formats a
+weight whose gradient is steadily 1/4 of its block's largest travels 0.87x (int2: 0.57x) as far as under
+fp32 AdamW, and on real gradients the update is damped to 0.94x of the exact one (int2: 0.85x), as a
+lower learning rate would: int4 ended 0.64% below fp32 state's loss. Stochastic rounding of m removes
+that (1.00x; real gradients 0.99x; int4 then ends +0.36%, int3 -0.22% instead of -1.22%) at a higher
+RMS error, so int4 and int3 round their 4-bit m stochastically, and int4 its half-octave v too. int2
+rounds m to nearest: its values 0 and 1/2 of the block max lie so far apart that a small m drawn up to
+1/2 kicks its weight by many steps' worth, and its loss moved to -4.0% of fp32 state's (nearest: -0.97%).
+2-bit v rounds to nearest: its 2-octave codes drawn stochastically are unbiased in v but not in
+``1 / sqrt(v)``, and overstep noisy gradients by 1.2-1.3x. int8's v rounds to nearest (stochastically:
+12% less update error, 0.079 -> 0.069, for 1.6x the fused step's time; ``stochastic=("v",)`` selects it).
 
 Codes are uint8 bytes holding 8 / width codes each, element ``k`` of byte ``j`` in bits
 ``[k * width, (k + 1) * width)`` (so for 4 bits element ``2j`` is the low nibble); a partial last byte
 leaves its unused bits 0.
 
 Encoding rounds to the nearest code (ties: half to even for E4M3, down for the first-moment tables; the
-log maps compare with the geometric means of neighbouring values), or, for the moments a format
-names in ``Format.stochastic`` (int4's v) or a caller asks for, *stochastically*: to one of the two
-neighbouring values, the farther with probability distance / gap, so that the stored value is
-unbiased (between the map's ends) and v's slow average is not stuck on its code when each step moves
-it by less than half a code. The random numbers are counter-based (``uniforms``: a 32-bit hash of
-the element's index in its stream and a key of the stream's seed and the optimizer step), so a run is
+log maps compare with the geometric means of neighbouring values), or, for the moments a format names in
+``Format.stochastic`` (int4's and int3's m, int4's v) or a caller asks for, *stochastically*: to one of
+the two neighbouring values, the farther with probability distance / gap, so that the stored value is
+unbiased (between the map's ends) and a slow average is not stuck on its code when each step moves it by
+less than half a code. The random numbers are counter-based (``uniforms``: a 32-bit hash of the
+element's index in its stream and a key of the stream's seed and the optimizer step), so a run is
 reproducible and independent of how the stream is cut into slices or threads, and a resumed run draws
 the same numbers. Stochastic rounding changes the encoder only: the codes decode as before. Inputs are
 cleaned first, so no NaN or Inf ever comes out: NaN encodes as 0, +-Inf and magnitudes above ``CLAMP``
 (FLT_MAX less 2 ulp) as +-CLAMP, and v's negative values and -0.0 as 0. A power-of-two pre-scale keeps
-``1 / absmax`` finite for subnormal blocks. The second moment's block max never drops below
-``V_FLOOR``, so once written v never decodes to 0 (its square root is far below any Adam eps); a
-zero-filled state (all codes and scales 0) decodes to exactly 0, the fresh-optimizer state.
+``1 / absmax`` finite for subnormal blocks. The second moment's block max never drops below ``V_FLOOR``,
+so once written v never decodes to 0 (its square root is far below any Adam eps); a zero-filled state
+(all codes and scales 0) decodes to exactly 0, the fresh-optimizer state.
 
 Error bounds per element x of a block whose cleaned absmax is A (checked by tests/test_codecs.py;
 ``error_bound`` computes them), with ``tiny = 2^-148`` covering subnormal decode rounding:
@@ -153,9 +163,9 @@ def _log_map(steps: Tensor, octaves: float) -> Tensor:
 
 FORMATS = {
     8: Format("int8", 8, 256, 8, 128, 1 / 16),  # stochastic v: 12% less update error, 1.6x the step time
-    4: Format("int4", 4, 64, 4, 128, 0.5, stochastic=("v",)),
-    3: Format("int3", 4, 64, 2, 64, 2.0),  # stochastic rounding measured worse for 2-bit v and for m
-    2: Format("int2", 2, 32, 2, 64, 2.0),
+    4: Format("int4", 4, 64, 4, 128, 0.5, stochastic=("m", "v")),
+    3: Format("int3", 4, 64, 2, 64, 2.0, stochastic=("m",)),  # stochastic 2-bit v oversteps (Jensen)
+    2: Format("int2", 2, 32, 2, 64, 2.0),  # stochastic m: kicks of half the block max, -4% loss (RESULTS)
 }
 FORMAT_VERSION = 3  # of the stored codes; 1 and 2: int8's v on a linear map (upgrade_v8), 1: int4 with
 # blocks of 128 and a linear v map (issue 4)
