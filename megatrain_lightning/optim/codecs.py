@@ -36,7 +36,7 @@ on its code (or at 0) while each step moves it by less than half a code, so in t
 weight whose gradient is steadily 1/4 of its block's largest travels 0.87x (int2: 0.57x) as far as under
 fp32 AdamW, and on real gradients the update is damped to 0.94x of the exact one (int2: 0.85x), as a
 lower learning rate would: int4 ended 0.64% below fp32 state's loss. Stochastic rounding of m removes
-that (1.00x; real gradients 0.99x; int4 then ends +0.36%, int3 -0.22% instead of -1.22%) at a higher
+that (1.00x; real gradients 0.99x; int4 then ends +0.36%, int3 -0.23% instead of -1.22%) at a higher
 RMS error, so int4 and int3 round their 4-bit m stochastically, and int4 its half-octave v too. int2
 rounds m to nearest: its values 0 and 1/2 of the block max lie so far apart that a small m drawn up to
 1/2 kicks its weight by many steps' worth, and its loss moved to -4.0% of fp32 state's (nearest: -0.97%).
