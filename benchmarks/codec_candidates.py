@@ -366,6 +366,7 @@ SHIPPED_ROUNDINGS = [
     if bits != 8 or "m" not in sr  # int8's E4M3 m rounds to nearest only
 ]
 SHIPPED = {name: shipped(bits, sr) for name, bits, sr in SHIPPED_ROUNDINGS}
+SHIPPED_COLUMNS = ("m", "v", "u", "gain", "gain m", "gain v")  # errors of m, v, the update; its gains
 
 
 def shipped_errors(args) -> None:
@@ -377,7 +378,7 @@ def shipped_errors(args) -> None:
     watch = tracked(model)
     state = {(n, c): [torch.zeros_like(p), torch.zeros_like(p)] for n, p in watch.items() for c in SHIPPED}
     exact = {n: [torch.zeros_like(p), torch.zeros_like(p)] for n, p in watch.items()}
-    err = {(x, c): [] for c in SHIPPED for x in ("m", "v", "u", "gain", "gain m", "gain v")}
+    err = {(x, c): [] for c in SHIPPED for x in SHIPPED_COLUMNS}
     data = batches(train, args.batch, args.seq, seed=0)
     start = time.perf_counter()
 
@@ -421,7 +422,7 @@ def shipped_errors(args) -> None:
     print("| format, rounding | m error | v error | update error | gain | gain, m alone | gain, v alone |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in SHIPPED:
-        mean = [sum(err[(x, c)]) / len(err[(x, c)]) for x in ("m", "v", "u", "gain", "gain m", "gain v")]
+        mean = [sum(err[(x, c)]) / len(err[(x, c)]) for x in SHIPPED_COLUMNS]
         print(f"| {c} | " + " | ".join(f"{x:.4f}" for x in mean) + " |")
 
 
@@ -440,22 +441,29 @@ def steady_travel(args) -> None:
     for r, noise in itertools.product((0.5, 0.25, 0.1), (0.0, 1.0)):
         base = torch.full((n,), r)
         base[::64] = 1.0
+        small = base != 1.0
         grads = [
             base * (1 + noise * torch.randn(n, generator=torch.Generator().manual_seed(s)))
             for s in range(steps)
         ]
         ref = torch.zeros(n, requires_grad=True)
-        opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        opt = torch.optim.AdamW(
+            [ref],
+            lr=hp["lr"],
+            betas=(hp["beta1"], hp["beta2"]),
+            eps=hp["eps"],
+            weight_decay=hp["weight_decay"],
+        )
         for g in grads:
             ref.grad = g
             opt.step()
+        travelled = ref.detach()[small].mean()
         cells = []
         for _, bits, sr in chosen:
             p, state = torch.zeros(n), codecs.empty_state(n, bits)
             for step, g in enumerate(grads, start=1):
                 quantized.quantized_adamw_(p, g, *state, bits=bits, step=step, stochastic=sr, **hp)
-            small = base != 1.0
-            cells.append(float(p[small].mean() / ref.detach()[small].mean()))
+            cells.append(float(p[small].mean() / travelled))
         rows.append((r, noise, cells))
     print(
         f"Distance travelled in {steps} fused steps by the weights whose gradient is r x their block's "
