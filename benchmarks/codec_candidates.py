@@ -1,7 +1,9 @@
 """Which low-bit Adam state format tracks fp32 Adam best: measured on real gradients, not guessed.
 
 Run: ``python benchmarks/codec_candidates.py [--steps 300 --lr 3e-3]``; with ``--shipped [--beta2 B]``
-the shipped formats of ``codecs.py`` (both moments quantized), rounding to nearest or stochastically.
+the shipped formats of ``codecs.py`` (both moments quantized), rounding to nearest or stochastically;
+``--steady`` and ``--stopped``: their fused step on a gradient small beside its block's largest, and on one
+that stops (the bias of rounding to nearest).
 
 1. *State error on real gradient statistics.* A small byte-level Llama trains on the Python standard
    library's sources (``realtext.py``) with fp32 AdamW. For a few weight matrices of its decoder layers,
@@ -475,6 +477,44 @@ def steady_travel(args) -> None:
         print(f"| {r:g} | {noise:g} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
 
+def stopped_decay(args) -> None:
+    """The decoded v of weights whose gradient stops, as a multiple of fp32 AdamW's (geometric mean),
+    10-40 fused steps after the stop: every 64th gradient 1 throughout, the rest 1/2 for 30 steps and
+    then 0. Above 1 the format holds v on its code (and damps the update when the gradient returns)."""
+    from megatrain_lightning.optim import codecs, quantized
+
+    n, warm, after = 4096, 30, (10, 20, 30, 40)
+    chosen = [row for row in SHIPPED_ROUNDINGS if row[0] in SHIPPED]  # as --only leaves them
+    rows = []
+    for beta2 in (0.95, 0.999):
+        hp = dict(lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0)
+        grads = []
+        for step in range(warm + max(after)):
+            g = torch.full((n,), 0.5 if step < warm else 0.0)
+            g[::64] = 1.0
+            grads.append(g)
+        stopped = grads[-1] == 0
+        exact, exact_log = torch.zeros(n), {}
+        for step, g in enumerate(grads, start=1):
+            exact.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            if step - warm in after:
+                exact_log[step - warm] = exact[stopped].log()
+        cells = {k: [] for k in after}
+        for _, bits, sr in chosen:
+            p, state = torch.zeros(n), codecs.empty_state(n, bits)
+            for step, g in enumerate(grads, start=1):
+                quantized.quantized_adamw_(p, g, *state, bits=bits, step=step, stochastic=sr, **hp)
+                if step - warm in after:
+                    v = codecs.dequantize(*state[2:], "v", bits, n)[stopped].log()
+                    cells[step - warm].append(float((v - exact_log[step - warm]).mean().exp()))
+        rows += [(beta2, k, cells[k]) for k in after]
+    print("Decoded v of the weights whose gradient stopped, as a multiple of fp32 AdamW's (geometric mean):")
+    print("| beta2 | steps since | " + " | ".join(name for name, _, _ in chosen) + " |")
+    print("| ---: | ---: |" + " ---: |" * len(chosen))
+    for beta2, k, row in rows:
+        print(f"| {beta2:g} | {k} | " + " | ".join(f"{c:.3f}" for c in row) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -492,6 +532,9 @@ def main() -> None:
         "--steady", action="store_true", help="the fused step on gradients small beside their block's largest"
     )
     parser.add_argument(
+        "--stopped", action="store_true", help="the fused step's v once a gradient stops, against fp32's"
+    )
+    parser.add_argument(
         "--only", nargs="+", metavar="TEXT", help="only the candidates whose names contain one of these"
     )
     args = parser.parse_args()
@@ -500,7 +543,12 @@ def main() -> None:
             for name in [c for c in candidates if c != "fp32" and not any(t in c for t in args.only)]:
                 del candidates[name]
     torch.set_num_threads(1)
-    (steady_travel if args.steady else shipped_errors if args.shipped else state_errors)(args)
+    if args.steady:
+        steady_travel(args)
+    elif args.stopped:
+        stopped_decay(args)
+    else:
+        (shipped_errors if args.shipped else state_errors)(args)
 
 
 if __name__ == "__main__":
