@@ -431,6 +431,14 @@ def shipped_errors(args) -> None:
 # -- a gradient small beside its block's largest, through the fused step (the optimizer's own code) --
 
 
+def _print_rows(keys: tuple[str, str], chosen: list, rows: list[tuple]) -> None:
+    """A markdown table: two key columns, then one column of ratios per chosen rounding."""
+    print(f"| {keys[0]} | {keys[1]} | " + " | ".join(name for name, _, _ in chosen) + " |")
+    print("| ---: | ---: |" + " ---: |" * len(chosen))
+    for a, b, cells in rows:
+        print(f"| {a:g} | {b:g} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+
+
 def steady_travel(args) -> None:
     """How far the weights whose gradient is ``r`` times their block's largest travel in 100 fused steps,
     as a multiple of fp32 AdamW's distance (every 64th gradient 1, the rest ``r``, times
@@ -471,10 +479,7 @@ def steady_travel(args) -> None:
         f"Distance travelled in {steps} fused steps by the weights whose gradient is r x their block's "
         "largest, as a multiple of fp32 AdamW's:"
     )
-    print("| r | noise | " + " | ".join(name for name, _, _ in chosen) + " |")
-    print("| ---: | ---: |" + " ---: |" * len(chosen))
-    for r, noise, cells in rows:
-        print(f"| {r:g} | {noise:g} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    _print_rows(("r", "noise"), chosen, rows)
 
 
 def stopped_decay(args) -> None:
@@ -509,10 +514,7 @@ def stopped_decay(args) -> None:
                     cells[step - warm].append(float((v - exact_log[step - warm]).mean().exp()))
         rows += [(beta2, k, cells[k]) for k in after]
     print("Decoded v of the weights whose gradient stopped, as a multiple of fp32 AdamW's (geometric mean):")
-    print("| beta2 | steps since | " + " | ".join(name for name, _, _ in chosen) + " |")
-    print("| ---: | ---: |" + " ---: |" * len(chosen))
-    for beta2, k, row in rows:
-        print(f"| {beta2:g} | {k} | " + " | ".join(f"{c:.3f}" for c in row) + " |")
+    _print_rows(("beta2", "steps since"), chosen, rows)
 
 
 def main() -> None:
