@@ -202,6 +202,26 @@ def test_generate_with_its_cache_works_after_training(arch):
     assert torch.equal(paged.module.model.generate(prompt, **kwargs), expected)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_block_gets_the_models_cache_unless_it_is_recomputed(checkpointing):
+    """A block that runs once gets the cache the plain model passes it (some models round otherwise
+    without one: tests/zoo.py); a recomputed block gets none, as under HF's own checkpointing, since its
+    second run would append its keys again."""
+    caches: list[str] = []
+
+    def record(module, args, kwargs):
+        caches.append(type(kwargs.get("cache")).__name__)
+
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(record, with_kwargs=True)
+    user_fit(model, "auto", steps=1)
+    plain, caches[:] = caches[:], []
+    user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1)
+    assert plain == ["DynamicCache"] * len(model.model.layers)
+    assert caches == (["NoneType"] * 2 * len(plain) if checkpointing else plain)
+
+
 class AliasingHead(torch.nn.Module):
     """Returns one of its own weights as an output (a view of the slot while the block runs)."""
 

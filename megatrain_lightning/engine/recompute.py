@@ -3,9 +3,11 @@
 A block's forward runs twice under activation checkpointing (in forward, and again in backward).
 The rule follows ``torch.utils.checkpoint``'s non-reentrant semantics: both runs happen in the grad
 mode the plain model would use, with the same RNG and autocast state. And, as Hugging Face's own
-``GradientCheckpointingLayer`` does, a block never receives a key/value cache in a training pass:
-``DynamicCache.update`` appends, so a recompute would attend over every key twice (or crash on a
-shape mismatch for models that build explicit masks). Inference keeps its cache.
+``GradientCheckpointingLayer`` does, a recomputed block never receives a key/value cache in a training
+pass: ``DynamicCache.update`` appends, so a recompute would attend over every key twice (or crash on a
+shape mismatch for models that build explicit masks). A block that runs once (no checkpointing) and
+inference keep the cache, as the plain model does: some models compute otherwise without one (Zamba2's
+Mamba2 mixers take a fused scan), which is exact but rounds differently.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "layer_past", 
 def training_arguments(
     module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any]]:
-    """``args``/``kwargs`` for a call of ``module`` in a training pass: caches dropped, ``use_cache`` off.
+    """``args``/``kwargs`` for a checkpointed call of ``module``: caches dropped, ``use_cache`` off.
 
     Layers that only read their cache say so with HF's ``_can_checkpoint_with_cache`` and keep it.
     """

@@ -377,7 +377,8 @@ class Engine:
         if not (torch.is_grad_enabled() and trains):
             with self.resident(site, backward=False, grad=False) as (slot, _), TIMELINE.span("compute"):
                 return off_slot(forward(*args, **kwargs), slot)
-        args, kwargs = training_arguments(site.module, forward, args, kwargs)
+        if self.config.activation_checkpointing:  # a block that runs once keeps its cache, as in plain
+            args, kwargs = training_arguments(site.module, forward, args, kwargs)
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]
         call = Call(forward, flat, spec, positions)

@@ -32,25 +32,15 @@ which lifts every v below 1/256 of its block's max to that: with both moments st
 error is 0.147 with it and 0.079 with the 8-bit log map. The first moment is signed and well served by Li
 et al.'s map; smaller blocks cut its error further for 1/16 byte per parameter.
 
-Rounding is chosen by the update's *bias*, not by its RMS error alone: rounded to nearest, a moment stays
-on its code (or at 0) while each step moves it by less than half a code, so in the table formats a
-weight whose gradient is steadily 1/4 of its block's largest travels 0.87x (int2: 0.57x) as far as under
-fp32 AdamW, and on real gradients the update is damped to 0.94x of the exact one (int2: 0.85x), as a
-lower learning rate would: int4 ended 0.64% below fp32 state's loss. Stochastic rounding of m removes
-that (1.00x; real gradients 0.99x; int4 then ends +0.36%, int3 -0.23% instead of -1.22%) at a higher
-RMS error, so int4 and int3 round their 4-bit m stochastically, and int4 its half-octave v too. int2
-rounds m to nearest: its values 0 and 1/2 of the block max lie so far apart that a small m drawn up to
-1/2 kicks its weight by many steps' worth, and its loss moved to -4.0% of fp32 state's (nearest: -0.97%).
-v has the same bias: rounded to nearest, a 2-octave code holds a v that a step moves by less than a
-factor of 2, so a gradient that stops leaves its v standing (10 steps of beta2 0.95 later: 1.85x fp32's)
-and damps its update when it returns; int3 ended 2.9% below fp32 state's loss at lr 1e-2. Drawn
-unbiased in v, the codes are biased in ``1 / sqrt(v)`` (Jensen) and overstep noisy gradients by
-1.2-1.3x; so 2-bit v (int3, int2) rounds stochastically *in the log domain*: to the upper neighbour with
-probability ``log(y / lower) / log(upper / lower)``, unbiased in ``log v`` (a stopped gradient's v: 1.02x;
-the update at most 6% too large, in the middle of a gap). int8's v rounds stochastically too (unbiased in
-v: its 1/16-octave gaps leave no Jensen bias to speak of): to nearest, a step of beta2 0.95 (0.074 octave)
-moves it one code (0.0625), so a stopped gradient's v stood 1.20x fp32's after 10 steps, and int8 ended
-2.2% above fp32 state's loss at lr 1e-2; stochastic rounding also cuts its update error by 12%.
+Rounding is chosen by the update's *bias*, not by its RMS error alone (figures in RESULTS.md): rounded
+to nearest, a moment stays on its code while each step moves it by less than half a code, so a steady
+small gradient's update is damped (table formats 0.87x as far as fp32 AdamW, int2 0.57x) and a stopped
+gradient's v stands (10 steps of beta2 0.95 later: 2-bit v 1.85x fp32's, int8 1.20x). So int4 and int3
+round their 4-bit m stochastically; int2 rounds m to nearest (a small m drawn up to 1/2 of the block max
+kicks its weight by many steps' worth). Every format rounds v stochastically: int8 and int4 unbiased in v,
+and 2-bit v (int3, int2) unbiased in ``log v`` (to the upper neighbour with probability
+``log(y / lower) / log(upper / lower)``), since codes 4x apart drawn unbiased in v are biased in
+``1 / sqrt(v)`` (Jensen) and overstep noisy gradients by 1.2-1.3x.
 
 Codes are uint8 bytes holding 8 / width codes each, element ``k`` of byte ``j`` in bits
 ``[k * width, (k + 1) * width)`` (so for 4 bits element ``2j`` is the low nibble); a partial last byte
