@@ -29,6 +29,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -185,6 +186,10 @@ def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, s
         train_losses.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, val_loss(model, val)))
+            elapsed = time.perf_counter() - start
+            eta = elapsed / (step + 1) * (args.steps - step - 1)
+            print(f"  {mode} lr {lr:g} seed {seed}: step {step + 1}/{args.steps} val loss {curve[-1][1]:.4f} "
+                  f"({elapsed:.0f} s, ETA {eta:.0f} s)", flush=True)  # fmt: skip
     return dict(mode=mode, lr=lr, seed=seed, final=curve[-1][1], curve=curve, train=train_losses,
                 seconds=time.perf_counter() - start)  # fmt: skip
 
@@ -236,7 +241,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
                         linestyle="-" if r["seed"] == min(x["seed"] for x in results) else "--")  # fmt: skip
         ax.set(xlabel="step", ylabel="validation loss", title=f"lr {lr:g}")
         ax.legend(fontsize=7)
-    fig.suptitle(title)
+    fig.suptitle(textwrap.fill(title, width=70 * len(lrs)), fontsize=9)  # one line per panel's width
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -275,7 +280,7 @@ def main() -> None:
         modes = sorted(dict.fromkeys(r["mode"] for r in results), key=lambda m: (order + [m]).index(m))
         print(runs[0]["header"])
         print("\n".join(report(results, modes)))
-        plot(results, args.out, runs[0]["header"][:120])
+        plot(results, args.out, runs[0]["header"])
         return
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     torch.set_num_threads(args.threads)
@@ -300,7 +305,7 @@ def main() -> None:
                 print(f"lr {lr:g} seed {seed} {mode:>5}: {final}", flush=True)
                 Path(args.json).write_text(json.dumps(dict(header=header, args=vars(args), results=results)))
     print("\n".join(report(results, args.modes)))
-    plot(results, args.out, header[:120])
+    plot(results, args.out, header)
     print(f"wrote {args.json} and {args.out}")
 
 
