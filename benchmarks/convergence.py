@@ -241,7 +241,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
                         linestyle="-" if r["seed"] == min(x["seed"] for x in results) else "--")  # fmt: skip
         ax.set(xlabel="step", ylabel="validation loss", title=f"lr {lr:g}")
         ax.legend(fontsize=7)
-    fig.suptitle(textwrap.fill(title, width=70 * len(lrs)), fontsize=9)  # one line per panel's width
+    fig.suptitle(textwrap.fill(title, width=70 * len(lrs)), fontsize=9)  # about 70 characters fit a panel
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
