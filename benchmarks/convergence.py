@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
 import textwrap
 import time
@@ -40,7 +41,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 from transformers import AutoModelForCausalLM
 
-from megatrain_lightning.optim import codecs
+from megatrain_lightning.optim import codecs, kernel
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.presets import tiny_config
@@ -57,6 +58,18 @@ def shipped_tokens() -> tuple[Tensor, Tensor]:
     tokens = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
     cut = int(tokens.numel() * 0.95)
     return tokens[:cut], tokens[cut:]
+
+
+def machine() -> str:
+    """The CPU and the kernels a run used. fp32 training rounds differently on another CPU (its matmuls
+    and vectorized AdamW), so runs of two machine types differ as the noise floor's do: compare like with
+    like."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return f"{cpu}, torch {torch.backends.cpu.get_cpu_capability()}, kernel {kernel.backend()}"
 
 
 def make_model(hidden: int, layers: int, seed: int) -> torch.nn.Module:
@@ -191,7 +204,7 @@ def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, s
             print(f"  {mode} lr {lr:g} seed {seed}: step {step + 1}/{args.steps} val loss {curve[-1][1]:.4f} "
                   f"({elapsed:.0f} s, ETA {eta:.0f} s)", flush=True)  # fmt: skip
     return dict(mode=mode, lr=lr, seed=seed, final=curve[-1][1], curve=curve, train=train_losses,
-                seconds=time.perf_counter() - start)  # fmt: skip
+                seconds=time.perf_counter() - start, machine=machine())  # fmt: skip
 
 
 def report(results: list[dict], modes: list[str]) -> list[str]:
@@ -280,6 +293,8 @@ def main() -> None:
         modes = sorted(dict.fromkeys(r["mode"] for r in results), key=lambda m: (order + [m]).index(m))
         print(runs[0]["header"])
         print("\n".join(report(results, modes)))
+        machines = sorted({r.get("machine", "machine not recorded") for r in results})
+        print("runs made on: " + "; ".join(machines))
         plot(results, args.out, runs[0]["header"])
         return
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
