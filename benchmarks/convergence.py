@@ -9,7 +9,7 @@ Text: the Python standard library's own ``.py`` files (``realtext.py``: byte-lev
 held out for validation) or the corpus shipped with the package (``--corpus shipped``: its last 5%
 held out). Model: a byte-level Llama (``--hidden``/``--layers``; the defaults give 25M parameters).
 Schedule: linear warmup then cosine to 0; AdamW betas (0.9, 0.95), weight decay 0.1 on matrices (the
-project's ``CausalLMModule`` recipe).
+project's ``CausalLMModule`` recipe); ``--clip`` clips the gradients' global norm first.
 
 The model trains in a plain torch loop and the optimizer is driven directly: what is measured is
 CPUAdamW's arithmetic, i.e. per parameter either torch's fused AdamW on fp32 moments or the fused
@@ -195,6 +195,8 @@ def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, s
         model.zero_grad(set_to_none=False)
         loss = lm_loss(model, next(data))
         loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step(lr_at(step, lr, args.warmup, args.steps))
         train_losses.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -277,6 +279,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument(
+        "--clip", type=float, default=None, help="clip the gradients' norm (Lightning's gradient_clip_val)"
+    )
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--val-batches", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
@@ -307,6 +312,7 @@ def main() -> None:
         f"{val_tokens.numel() / 1e6:.2f}M validation bytes), Llama {n_params / 1e6:.1f}M params "
         f"(hidden {args.hidden}, {args.layers} layers), "
         f"{args.steps} steps of {args.batch} x {args.seq} tokens, warmup {args.warmup} + cosine, "
+        f"{f'gradients clipped to norm {args.clip:g}, ' if args.clip else ''}"
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(header, flush=True)
