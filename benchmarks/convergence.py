@@ -209,19 +209,33 @@ def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, s
                 seconds=time.perf_counter() - start, machine=machine())  # fmt: skip
 
 
+def spread(finals: list[float], single: str) -> str:
+    """(max - min) / mean of final losses, in percent; ``single`` where there is one."""
+    return (
+        f"{(max(finals) - min(finals)) / statistics.mean(finals) * 100:.2f}%" if len(finals) > 1 else single
+    )
+
+
 def report(results: list[dict], modes: list[str]) -> list[str]:
     """The change of each mode's final validation loss against fp32 state's of the same seed. Verdicts apply
     the issue's bounds to the worst seed: "ok" within them, "lower" beyond them only below fp32 state's
-    loss, "NOT met" above."""
-    lines = ["| lr | fp32 final val loss (seeds) | fp32 seed spread | " + " | ".join(
+    loss, "NOT met" above. Beside fp32's seed spread, the spread of every fp32-state run (both seeds,
+    fused and ``NOISE_FLOOR``): the noise a quantized run's change is read against."""
+    columns = "| lr | fp32 final val loss (seeds) | fp32 seed spread | fp32-state runs' spread (n) | "
+    lines = [columns + " | ".join(
         f"{m} change (per seed)" for m in modes if m != "none") + " |"]  # fmt: skip
-    lines.append("| --- " * (3 + len(modes) - 1) + "|")
+    lines.append("| --- " * (4 + len(modes) - 1) + "|")
     for lr in sorted({r["lr"] for r in results}):
         by = {(r["mode"], r["seed"]): r["final"] for r in results if r["lr"] == lr}
         seeds = sorted({s for _, s in by})
         ref = [by[("none", s)] for s in seeds if ("none", s) in by]
-        spread = f"{(max(ref) - min(ref)) / statistics.mean(ref) * 100:.2f}%" if len(ref) > 1 else "one seed"
-        cells = [f"{lr:g}", " / ".join(f"{x:.4f}" for x in ref), spread]
+        fp32 = [final for (m, _), final in by.items() if m in ("none", NOISE_FLOOR)]
+        cells = [
+            f"{lr:g}",
+            " / ".join(f"{x:.4f}" for x in ref),
+            spread(ref, "one seed"),
+            f"{spread(fp32, '-')} ({len(fp32)})",
+        ]
         for m in modes:
             if m == "none":
                 continue
@@ -247,12 +261,15 @@ def plot(results: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     lrs = sorted({r["lr"] for r in results})
+    # one colour per mode in every panel, one line style per seed
+    colors = {mode: f"C{i}" for i, mode in enumerate(dict.fromkeys(r["mode"] for r in results))}
     fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 4), squeeze=False)
     for ax, lr in zip(axes[0], lrs, strict=True):
         for r in results:
             if r["lr"] == lr:
                 steps, losses = zip(*r["curve"], strict=True)
                 ax.plot(steps, losses, label=f"{r['mode']} s{r['seed']} ({r['final']:.3f})", linewidth=1,
+                        color=colors[r["mode"]],
                         linestyle="-" if r["seed"] == min(x["seed"] for x in results) else "--")  # fmt: skip
         ax.set(xlabel="step", ylabel="validation loss", title=f"lr {lr:g}")
         ax.legend(fontsize=7)
