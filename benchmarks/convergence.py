@@ -263,6 +263,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
     lrs = sorted({r["lr"] for r in results})
     # one colour per mode in every panel, one line style per seed
     colors = {mode: f"C{i}" for i, mode in enumerate(dict.fromkeys(r["mode"] for r in results))}
+    first_seed = min(r["seed"] for r in results)
     fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 4), squeeze=False)
     for ax, lr in zip(axes[0], lrs, strict=True):
         for r in results:
@@ -270,7 +271,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
                 steps, losses = zip(*r["curve"], strict=True)
                 ax.plot(steps, losses, label=f"{r['mode']} s{r['seed']} ({r['final']:.3f})", linewidth=1,
                         color=colors[r["mode"]],
-                        linestyle="-" if r["seed"] == min(x["seed"] for x in results) else "--")  # fmt: skip
+                        linestyle="-" if r["seed"] == first_seed else "--")  # fmt: skip
         ax.set(xlabel="step", ylabel="validation loss", title=f"lr {lr:g}")
         ax.legend(fontsize=7)
     fig.suptitle(textwrap.fill(title, width=70 * len(lrs)), fontsize=9)  # about 70 characters fit a panel
