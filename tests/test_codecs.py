@@ -186,21 +186,24 @@ def test_stochastic_rounding_draws_independent_uniform_numbers() -> None:
 
 @pytest.mark.parametrize("kind,bits", TABLE_KINDS)
 def test_stochastic_rounding_is_unbiased(kind: str, bits: int) -> None:
-    """Over many keys the decoded values average to the input (v of the formats with
-    ``v_log_rounding``: their log2 to its log2, within EXP2_POLY's 3e-6): each element's mean error is
-    within 5 standard errors (gap / 2 / sqrt(draws)) of zero. Nearest rounding fails the same check."""
+    """Over many keys the decoded values average to the input (v of the formats with ``v_root_rounding``:
+    their fourth roots to its fourth root): each element's mean error is within 5 standard errors
+    (gap / 2 / sqrt(draws)) of zero. Nearest rounding fails the same check."""
     x, gap = _in_range(kind, bits, 2048)
     fmt = C.FORMATS[bits]
-    log = kind == "v" and fmt.v_log_rounding
-    measure = torch.log2 if log else torch.clone
-    if log:
-        gap = torch.full_like(x, fmt.v_octaves)
+    root = kind == "v" and fmt.v_root_rounding
+    if root:
+        measure = lambda t: t.sqrt().sqrt()  # noqa: E731
+        lower = gap / (2**fmt.v_octaves - 1)  # the lower neighbour (the upper one is 2^octaves times it)
+        gap = measure(lower) * rounding.quarter_root_step(fmt.v_octaves)
+    else:
+        measure = torch.clone
     draws = 1500
     total = torch.zeros(x.numel(), dtype=torch.float64)
     for key in range(draws):
         total += measure(_roundtrip(x, kind, bits, rounding.rounding_keys(key, 1)[kind == "v"]).double())
     err = (total / draws - measure(x.double())).abs()
-    limit = 5 * gap.double() / 2 / draws**0.5 + (1e-5 if log else 1e-6 * x.double())
+    limit = 5 * gap.double() / 2 / draws**0.5 + 1e-6 * measure(x.double())
     assert (err <= limit).all(), float((err / limit).max())
     assert float((total / draws - measure(x.double())).mean()) == pytest.approx(
         0.0, abs=float(gap.mean()) / draws**0.5
@@ -209,13 +212,15 @@ def test_stochastic_rounding_is_unbiased(kind: str, bits: int) -> None:
     assert (nearest > limit).float().mean() > 0.5
 
 
-@pytest.mark.parametrize("octaves", [2.0, 0.5])
-def test_log_rounding_threshold_on_every_uniform_number(octaves: float) -> None:
-    """``exp2_of_fraction`` on all 2^23 numbers ``uniforms`` draws: within 3e-6 of ``2^(octaves * u)``,
-    exactly 1 at u = 0 and below ``2^octaves`` (so a map's value always encodes as itself)."""
+@pytest.mark.parametrize("octaves", sorted({f.v_octaves for f in C.FORMATS.values() if f.v_root_rounding}))
+def test_quarter_power_threshold_on_every_uniform_number(octaves: float) -> None:
+    """``quarter_power_threshold`` on all 2^23 numbers ``uniforms`` draws, for the maps rounded so: within
+    1e-6 of ``(1 + u * (2^(octaves / 4) - 1))^4``, exactly 1 at u = 0 and below ``2^octaves`` (so a map's
+    value always encodes as itself)."""
     u = torch.arange(1 << 23, dtype=torch.float32) * 2.0**-23
-    t = rounding.exp2_of_fraction(u, octaves)
-    assert float((t.double() / torch.exp2(u.double() * octaves) - 1).abs().max()) < 3e-6
+    t = rounding.quarter_power_threshold(u, octaves)
+    exact = (1 + u.double() * (2 ** (octaves / 4) - 1)) ** 4
+    assert float((t.double() / exact - 1).abs().max()) < 1e-6
     assert float(t[0]) == 1.0 and float(t.min()) >= 1.0 and float(t.max()) < 2**octaves
 
 

@@ -37,8 +37,8 @@ from megatrain_lightning.optim import codecs, rounding
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quantized_adamw.cpp"
-_ABI_VERSION = 6
-_TABLE_FLOATS = 133
+_ABI_VERSION = 7
+_TABLE_FLOATS = 129
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 # tried in this order; the first that compiles is used (without OpenMP the kernel runs on one thread)
 _ARCH_FLAGS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
@@ -55,8 +55,8 @@ def _expected_tables() -> torch.Tensor:
         layout.float(), m4.m_table, m2.m_table, m4.m_midpoints, m2.m_midpoints,
         v4.v_table, v2.v_table, v4.v_thresholds, v2.v_thresholds, torch.tensor([codecs.V_FLOOR]),
         v8.v_table[:16], v8.v_thresholds[:16],
-        torch.tensor([float(codecs.FORMATS[b].v_log_rounding) for b in (4, 3, 2)]),
-        torch.tensor(rounding.EXP2_POLY),
+        torch.tensor([float(codecs.FORMATS[b].v_root_rounding) for b in (4, 3, 2)]),
+        torch.tensor([rounding.quarter_root_step(v2.v_octaves)]),
     ])  # fmt: skip
 
 

@@ -39,14 +39,14 @@ def uniforms(start: int, n: int, key: int) -> Tensor:
 
 
 def round_to_neighbour(
-    y: Tensor, values: Tensor, u: Tensor, ascending: bool, log_octaves: float | None = None
+    y: Tensor, values: Tensor, u: Tensor, ascending: bool, root_octaves: float | None = None
 ) -> Tensor:
     """Sorted index (uint8) of ``y`` rounded to one of its two neighbouring ``values``, the farther one
     with probability ``distance / gap``: unbiased between the map's ends, ends kept as nearest rounding
     does (values beyond them go to the end; a value of the map encodes exactly). ``values`` ascending
-    (m) or descending (v); in fp32 operations the kernel repeats. ``log_octaves`` (a log map of v whose
-    neighbours lie that many octaves apart): the distance and gap of ``log2 y`` instead, so the stored
-    value is unbiased in ``log v`` (:func:`exp2_of_fraction`)."""
+    (m) or descending (v); in fp32 operations the kernel repeats. ``root_octaves`` (a log map of v whose
+    neighbours lie that many octaves apart): the distance and gap of ``y^(1/4)`` instead, so the stored
+    value is unbiased in ``v^(1/4)`` (:func:`quarter_power_threshold`)."""
     levels = values.numel()
     # index: the values after the first on y's near side (m: <= y; v: > y), i.e. the near neighbour's
     if ascending:
@@ -57,30 +57,24 @@ def round_to_neighbour(
     near, far = values[index], values[nxt]
     # m: near <= y < far; v (descending): far <= y < near
     lower, upper = (near, far) if ascending else (far, near)
-    if log_octaves is None:
+    if root_octaves is None:
         up = (y - lower) > u * (upper - lower)
-    else:  # log2(y / lower) > u * log_octaves
-        up = y > lower * exp2_of_fraction(u, log_octaves)
+    else:  # y^(1/4) - lower^(1/4) > u * (upper^(1/4) - lower^(1/4)), upper = lower * 2^root_octaves
+        up = y > lower * quarter_power_threshold(u, root_octaves)
     take_far = up if ascending else ~up
     return torch.where(take_far, nxt, index).to(torch.uint8)
 
 
-# 2^f on [0, 1): 1 + f (c1 + f (c2 + f (c3 + f c4))), least squares in relative error; within 3.0e-6 of
-# 2^f, 1 at f = 0, and 2^(octaves * u) stays below 2^octaves for every u (tests/test_codecs.py: all of them)
-EXP2_POLY = tuple(
-    map(float.fromhex, ("0x1p0", "0x1.62d6aap-1", "0x1.ee259ep-3", "0x1.abf51ap-5", "0x1.b7f614p-7"))
-)
+def quarter_root_step(octaves: float) -> float:
+    """``2^(octaves / 4) - 1`` in fp32: how far apart the fourth roots of neighbours ``octaves`` apart lie,
+    relative to the lower one's."""
+    return float(torch.tensor(2.0 ** (octaves / 4) - 1, dtype=torch.float32))
 
 
-def exp2_of_fraction(u: Tensor, octaves: float) -> Tensor:
-    """fp32 ``2^(octaves * u)`` for uniform numbers ``u``, in fp32 operations the kernel repeats (a power of
-    two for the whole part of ``octaves * u``, a polynomial for the rest): the threshold of ``y / lower``
-    above which log-domain stochastic rounding takes the upper neighbour."""
-    x = u * octaves
-    whole = torch.trunc(x)  # x >= 0: its floor
-    frac = x - whole
-    poly = torch.full_like(frac, EXP2_POLY[-1])
-    for c in reversed(EXP2_POLY[:-1]):
-        poly = poly * frac + c
-    power = (whole.to(torch.int32) + 127).bitwise_left_shift_(23).view(torch.float32)
-    return poly * power
+def quarter_power_threshold(u: Tensor, octaves: float) -> Tensor:
+    """fp32 ``(1 + u * (2^(octaves / 4) - 1))^4`` for uniform numbers ``u``, in the fp32 operations the kernel
+    repeats (a multiply, an add, two squarings): the threshold of ``y / lower`` above which the upper
+    neighbour is taken, so that the stored ``v^(1/4)`` is ``y^(1/4)`` in expectation."""
+    w = u * quarter_root_step(octaves) + 1.0
+    w = w * w
+    return w * w

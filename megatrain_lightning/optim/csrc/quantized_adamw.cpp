@@ -81,20 +81,20 @@ struct MMap<2> {
 };
 template <int W>
 struct VMap;
-// LOG_SR: stochastic rounding unbiased in log v (codecs.Format.v_log_rounding), OCTAVES apart per code
+// ROOT_SR: stochastic rounding unbiased in v^(1/4) (codecs.Format.v_root_rounding), OCTAVES apart per code
 template <>
 struct VMap<4> {
   static constexpr int L = 16;
   static constexpr const float* DECODE = V4_DECODE;
   static constexpr const float* TH = V4_TH;
-  static constexpr bool LOG_SR = false;
+  static constexpr bool ROOT_SR = false;
 };
 template <>
 struct VMap<2> {
   static constexpr int L = 4;
   static constexpr const float* DECODE = V2_DECODE;
   static constexpr const float* TH = V2_TH;
-  static constexpr bool LOG_SR = true;
+  static constexpr bool ROOT_SR = true;
   static constexpr float OCTAVES = 2.0f;
 };
 
@@ -276,16 +276,13 @@ inline uint32_t mix32(uint32_t x) {
 // a function of (key, index) only, so chunking and threads do not matter.
 inline float uniform(int64_t index, uint32_t key) { return (float)(mix32((uint32_t)index ^ key) >> 9) * 0x1p-23f; }
 
-// rounding.exp2_of_fraction: 2^(octaves * u) as a power of two times a polynomial for 2^f on [0, 1)
-// (rounding.EXP2_POLY), in the fallback's fp32 operations.
-constexpr float EXP2_POLY[5] = {0x1p+0f, 0x1.62d6aap-1f, 0x1.ee259ep-3f, 0x1.abf51ap-5f, 0x1.b7f614p-7f};
-inline float exp2_of_fraction(float u, float octaves) {
-  const float x = u * octaves;
-  const int32_t whole = (int32_t)x;  // x >= 0: truncation is the floor (and vectorizes, unlike std::floor)
-  const float frac = x - (float)whole;
-  float poly = EXP2_POLY[4];
-  for (int c = 3; c >= 0; --c) poly = poly * frac + EXP2_POLY[c];
-  return poly * bfloat((uint32_t)(whole + 127) << 23);
+// rounding.quarter_power_threshold for 2-octave codes: (1 + u * (2^(1/2) - 1))^4, in the fallback's fp32
+// operations (rounding.quarter_root_step(2.0) is QUARTER_ROOT_STEP).
+constexpr float QUARTER_ROOT_STEP = 0x1.a8279ap-2f;  // fp32 sqrt(2) - 1
+inline float quarter_power_threshold(float u) {
+  float w = u * QUARTER_ROOT_STEP + 1.0f;
+  w = w * w;
+  return w * w;
 }
 
 #if defined(__AVX512F__)
@@ -362,7 +359,7 @@ inline __m512i v8_code16(__m512 y, bool sr, int64_t index, uint32_t key) {
 #endif
 
 // Stochastic rounding of nb normalized values between their two neighbouring map values (rounding.
-// round_to_neighbour): the farther with probability distance / gap (v maps with LOG_SR: of log2 y); beyond
+// round_to_neighbour): the farther with probability distance / gap (v maps with ROOT_SR: of y^(1/4)); beyond
 // the map's ends, the end.
 // m: y = (value * pre) * inv against the ascending map; v: y = value * inv against the descending one.
 // ``index``: the stream's index of the first value, whose uniform numbers (``key``) decide.
@@ -404,7 +401,7 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
                         uint8_t* __restrict out) {
   constexpr int L = VMap<W>::L;
   const float* D = VMap<W>::DECODE;
-  if constexpr (VMap<W>::LOG_SR) {  // one loop for every build, which the compiler vectorizes
+  if constexpr (VMap<W>::ROOT_SR) {  // one loop for every build, which the compiler vectorizes
     static_assert(VMap<W>::OCTAVES == 2.0f, "code c's value is 4^-c: its bits, no lookup (gather)");
     for (int i = 0; i < nb; ++i) {
       const float y = bfloat(bits[i]) * inv;
@@ -412,8 +409,8 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
       for (int c = 1; c < L; ++c) k += y < D[c];
       const int nx = k + 1 < L ? k + 1 : L - 1;
       const float lower = bfloat(fbits_c(1.0f) - ((uint32_t)nx << 24));  // D[nx]
-      // log2(y / lower) > u * OCTAVES
-      out[i] = (uint8_t)(y > lower * exp2_of_fraction(uniform(index + i, key), VMap<W>::OCTAVES) ? k : nx);
+      // y^(1/4) - lower^(1/4) > u * (upper^(1/4) - lower^(1/4)), upper = 4 lower
+      out[i] = (uint8_t)(y > lower * quarter_power_threshold(uniform(index + i, key)) ? k : nx);
     }
     return;
   }
@@ -1282,7 +1279,7 @@ void dispatch_flags(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* v
 
 extern "C" {
 
-int mq_abi_version() { return 6; }
+int mq_abi_version() { return 7; }
 
 const char* mq_isa() {
 #if defined(__AVX512F__)
@@ -1298,7 +1295,7 @@ const char* mq_isa() {
 // formats 8, 4, 3, 2 (m width, m block, v width, v block: 16 values), then m decode tables by code (4
 // bits: 16, 2 bits: 4), m midpoints (15, 3), v decode tables (16, 4), v thresholds (15, 3), V_FLOOR,
 // int8's v map as one octave: values (16) and thresholds (16), whether formats 4, 3, 2 round v stochastically
-// in the log domain (3) and EXP2_POLY (5): 133 floats.
+// unbiased in v^(1/4) (3) and QUARTER_ROOT_STEP (1): 129 floats.
 void mq_tables(float* out) {
   int k = 0;
   for (int f : {Int8::MW, Int8::MB, Int8::VW, Int8::VB, Int4::MW, Int4::MB, Int4::VW, Int4::VB, Int3::MW,
@@ -1315,8 +1312,8 @@ void mq_tables(float* out) {
   out[k++] = V_FLOOR;
   for (float x : V8_OCTAVE) out[k++] = x;
   for (float x : V8_TH_OCTAVE) out[k++] = x;
-  for (bool x : {VMap<Int4::VW>::LOG_SR, VMap<Int3::VW>::LOG_SR, VMap<Int2::VW>::LOG_SR}) out[k++] = x;
-  for (float x : EXP2_POLY) out[k++] = x;
+  for (bool x : {VMap<Int4::VW>::ROOT_SR, VMap<Int3::VW>::ROOT_SR, VMap<Int2::VW>::ROOT_SR}) out[k++] = x;
+  out[k++] = QUARTER_ROOT_STEP;
 }
 
 // hyper: decay, wd, beta1, 1-beta1, beta2, 1-beta2, 1/sqrt(bc2), eps, -lr/bc1 (all float32).
