@@ -212,6 +212,27 @@ def test_stochastic_rounding_is_unbiased(kind: str, bits: int) -> None:
     assert (nearest > limit).float().mean() > 0.5
 
 
+@pytest.mark.parametrize("between", [1.5, 2.0, 3.0])
+def test_two_bit_v_settles_where_the_update_is_unbiased(between: float) -> None:
+    """v is an average re-encoded every step, so its rounding decides where it settles. A steady gradient
+    whose v lies ``between`` times its lower code (codes 4x apart): fed back through the 2-bit codec, the
+    fresh v's ``1 / sqrt(v)`` (what scales the update) averages within 1% of fp32's. Rounded unbiased in
+    log v it is 4.8-5.7% low here, unbiased in v 11-16% high."""
+    bits, beta2, steps, n = 3, 0.95, 400, 64 * 64
+    g2 = torch.full((n,), between / 16)  # between the codes 1/16 and 1/4 of the block max
+    g2[::64] = 1.0
+    small = g2 != 1.0
+    stored, exact, gains = torch.zeros(n), torch.zeros(n), []
+    for step in range(1, steps + 1):
+        fresh = stored * beta2 + g2 * (1 - beta2)
+        exact = exact * beta2 + g2 * (1 - beta2)
+        if step > steps // 4:
+            gains.append(float((exact[small].sqrt() / fresh[small].sqrt()).mean()))
+        state = C.quantize(fresh, "v", bits, rounding.rounding_keys(7, step)[1])
+        stored = C.dequantize(*state, "v", bits, n)
+    assert sum(gains) / len(gains) == pytest.approx(1.0, abs=0.01)
+
+
 @pytest.mark.parametrize("octaves", sorted({f.v_octaves for f in C.FORMATS.values() if f.v_root_rounding}))
 def test_quarter_power_threshold_on_every_uniform_number(octaves: float) -> None:
     """``quarter_power_threshold`` on all 2^23 numbers ``uniforms`` draws, for the maps rounded so: within
