@@ -6,9 +6,9 @@
 // int8 has three code paths, chosen at compile time: AVX-512 (pass1_avx512 / pass2_avx512), AVX2 and
 // the portable scalar ``chunk8``; its v codes come from the value's exponent and its mantissa's place among
 // one octave's (``v8_values_above``; with AVX-512 by its top 5 bits and one compare, ``v8_above16``). The
-// table formats (int4, int3, int2) share ``tchunk``: with AVX-512 a first pass in registers (``tstage``:
-// decode by in-register lookups, update, clean, block maxima), then the codes (m by binary search, v from
-// its exponent: ``count_above_log``); loops the compiler vectorizes otherwise. Every floating-point
+// table formats (int4, int3, int2) share ``tchunk``: with AVX-512 or AVX2 a first pass in registers
+// (``tstage``: decode by in-register lookups, update, clean, block maxima), then the codes (m by search or
+// compares, v from its exponent: ``count_above_log``); loops the compiler vectorizes otherwise. Every floating-point
 // operation is mirrored one for one by the pure-torch fallback in quantized.py, so all of them give
 // bit-identical results: build with -ffp-contract=off and without -ffast-math (no
 // FMA contraction, no reassociation).
@@ -112,10 +112,15 @@ struct MTables {
 constexpr MTables<4> M4{};
 constexpr MTables<2> M2{};
 
-#if defined(__AVX512F__)
-// 16-lane copies of the tables for in-register lookups (permutexvar): decode tables padded with 0,
-// ascending m midpoints padded with 2 (above every normalized m). (v's codes need no table to search:
-// ``count_above_log``.)
+inline uint32_t mantissa(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u & 0x7fffffu;
+}
+
+// 16-lane copies of the tables for in-register lookups (AVX-512: permutexvar; AVX2: two 8-lane permutes):
+// decode tables padded with 0, ascending m midpoints padded with 2 (above every normalized m). (v's codes
+// need no table to search: ``count_above_log``.)
 template <int N, int L>
 struct Padded16 {
   alignas(64) float t[16];
@@ -127,19 +132,27 @@ constexpr Padded16<16, 16> M4_DEC16(M4.decode, 0.0f), V4_DEC16(V4_DECODE, 0.0f);
 constexpr Padded16<4, 4> M2_DEC16(M2.decode, 0.0f), V2_DEC16(V2_DECODE, 0.0f);
 constexpr Padded16<15, 16> M4_MID16(M4.mid, 2.0f);
 constexpr Padded16<3, 4> M2_MID16(M2.mid, 2.0f);
-template <int W>
-inline __m512 m_decode16() { return _mm512_load_ps(W == 4 ? M4_DEC16.t : M2_DEC16.t); }
-template <int W>
-inline __m512 v_decode16() { return _mm512_load_ps(W == 4 ? V4_DEC16.t : V2_DEC16.t); }
-template <int W>
-inline __m512 m_mid16() { return _mm512_load_ps(W == 4 ? M4_MID16.t : M2_MID16.t); }
 // for stochastic rounding: the sorted m maps and their values above the lowest (padded with 2)
 constexpr Padded16<16, 16> M4_SORT16(M4_SORTED, 0.0f);
 constexpr Padded16<4, 4> M2_SORT16(M2_SORTED, 0.0f);
 constexpr Padded16<15, 16> M4_ABOVE16(M4_SORTED + 1, 2.0f);
 constexpr Padded16<3, 4> M2_ABOVE16(M2_SORTED + 1, 2.0f);
 template <int W>
-inline __m512 m_sorted16() { return _mm512_load_ps(W == 4 ? M4_SORT16.t : M2_SORT16.t); }
+constexpr const float* m_decode_table() { return W == 4 ? M4_DEC16.t : M2_DEC16.t; }
+template <int W>
+constexpr const float* v_decode_table() { return W == 4 ? V4_DEC16.t : V2_DEC16.t; }
+template <int W>
+constexpr const float* m_sorted_table() { return W == 4 ? M4_SORT16.t : M2_SORT16.t; }
+
+#if defined(__AVX512F__)
+template <int W>
+inline __m512 m_decode16() { return _mm512_load_ps(m_decode_table<W>()); }
+template <int W>
+inline __m512 v_decode16() { return _mm512_load_ps(v_decode_table<W>()); }
+template <int W>
+inline __m512 m_mid16() { return _mm512_load_ps(W == 4 ? M4_MID16.t : M2_MID16.t); }
+template <int W>
+inline __m512 m_sorted16() { return _mm512_load_ps(m_sorted_table<W>()); }
 template <int W>
 inline __m512 m_above16() { return _mm512_load_ps(W == 4 ? M4_ABOVE16.t : M2_ABOVE16.t); }
 
@@ -175,25 +188,6 @@ inline __m512i count_above_log(__m512 y, int from, std::initializer_list<uint32_
     count = _mm512_mask_add_epi32(count, above, count, _mm512_set1_epi32(1));
   }
   return _mm512_min_epi32(_mm512_max_epi32(count, _mm512_setzero_si512()), _mm512_set1_epi32(L - 1));
-}
-inline uint32_t mantissa(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u & 0x7fffffu;
-}
-// The nearest v code: thresholds above y (4 bits: 0x1.ae89fa and 0x1.306fe0 times 2^-k from k = 1; 2 bits:
-// 2^-1, 2^-3, 2^-5).
-template <int W>
-inline __m512i v_nearest_code(__m512 y) {
-  if constexpr (W == 4) return count_above_log<16, true>(y, 1, {mantissa(V4_TH[0]), mantissa(V4_TH[1])});
-  else return count_above_log<4, false>(y, 0, {});
-}
-// Stochastic rounding's lower neighbour: the map's values below its largest that lie above y (4 bits:
-// 0x1.6a09e6 and 1 times 2^-k from k = 1; 2 bits: 2^-2, 2^-4, 2^-6).
-template <int W>
-inline __m512i v_values_above(__m512 y) {
-  if constexpr (W == 4) return count_above_log<16, true>(y, 1, {mantissa(V4_DECODE[1])});
-  else return count_above_log<4, false>(y, 1, {});
 }
 #endif
 template <int W>
@@ -358,6 +352,93 @@ inline __m512i v8_code16(__m512 y, bool sr, int64_t index, uint32_t key) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline uint32_t hmaxu8(__m256i x) {
+  __m256i t = _mm256_max_epu32(x, _mm256_permute2x128_si256(x, x, 1));
+  t = _mm256_max_epu32(t, _mm256_shuffle_epi32(t, 0x4E));
+  t = _mm256_max_epu32(t, _mm256_shuffle_epi32(t, 0xB1));
+  return (uint32_t)_mm256_cvtsi256_si32(t);
+}
+
+// 8 int32 in [0, 255] -> 8 bytes (low half of the result)
+inline __m128i bytes8(__m256i x) {
+  __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  return _mm_packus_epi16(w, w);
+}
+
+// table[c & 15] from two 8-lane halves
+inline __m256 lookup16(const float* table, __m256i c) {
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), c);
+  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), c);
+  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));  // by bit 3 of c
+}
+// table[c] of an L-value table (a Padded16's: at least 8 floats), 0 <= c < L
+template <int L>
+inline __m256 lookup(const float* table, __m256i c) {
+  if constexpr (L <= 8) return _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), c);
+  else return lookup16(table, c);
+}
+
+// ``uniform`` of the 8 elements from ``index``.
+inline __m256 uniform8(int64_t index, uint32_t key) {
+  __m256i x = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)index), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                               _mm256_set1_epi32((int)key));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x2c1b3c6d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9)), _mm256_set1_ps(0x1p-23f));
+}
+
+// How many of the table codes' values or thresholds (``pred``, e.g. _CMP_GE_OQ: y >= t) hold for y: one
+// compare per value (count_prefix's result without lookups; L - 1 values of ``t``, ascending).
+template <int L, int PRED>
+inline __m256i count_holding(__m256 y, const float* t) {
+  __m256i count = _mm256_setzero_si256();
+  for (int k = 0; k < L - 1; ++k)  // a true compare is -1
+    count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(t[k]), PRED)));
+  return count;
+}
+
+// count_above_log with 8 lanes (mantissas are below 2^23: signed compares are unsigned ones)
+template <int L, bool TWO_PER_OCTAVE>
+inline __m256i count_above_log(__m256 y, int from, std::initializer_list<uint32_t> mants) {
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i k = _mm256_sub_epi32(_mm256_set1_epi32(127), _mm256_srli_epi32(bits, 23));
+  const __m256i mant = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff));
+  const __m256i octaves = _mm256_sub_epi32(k, _mm256_set1_epi32(from));
+  __m256i count = TWO_PER_OCTAVE ? _mm256_slli_epi32(octaves, 1) : _mm256_srai_epi32(octaves, 1);
+  for (uint32_t m : mants) count = _mm256_sub_epi32(count, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), mant));
+  return _mm256_min_epi32(_mm256_max_epi32(count, _mm256_setzero_si256()), _mm256_set1_epi32(L - 1));
+}
+#endif
+
+#if defined(__AVX2__)
+// The vectors of this build's table-format passes: 16 lanes with AVX-512, else 8.
+#if defined(__AVX512F__)
+using VecF = __m512;
+using VecI = __m512i;
+#else
+using VecF = __m256;
+using VecI = __m256i;
+#endif
+// The nearest v code: thresholds above y (4 bits: 0x1.ae89fa and 0x1.306fe0 times 2^-k from k = 1; 2 bits:
+// 2^-1, 2^-3, 2^-5).
+template <int W>
+inline VecI v_nearest_code(VecF y) {
+  if constexpr (W == 4) return count_above_log<16, true>(y, 1, {mantissa(V4_TH[0]), mantissa(V4_TH[1])});
+  else return count_above_log<4, false>(y, 0, {});
+}
+// Stochastic rounding's lower neighbour: the map's values below its largest that lie above y (4 bits:
+// 0x1.6a09e6 and 1 times 2^-k from k = 1; 2 bits: 2^-2, 2^-4, 2^-6).
+template <int W>
+inline VecI v_values_above(VecF y) {
+  if constexpr (W == 4) return count_above_log<16, true>(y, 1, {mantissa(V4_DECODE[1])});
+  else return count_above_log<4, false>(y, 1, {});
+}
+#endif
+
 // Stochastic rounding of nb normalized values between their two neighbouring map values (rounding.
 // round_to_neighbour): the farther with probability distance / gap (v maps with ROOT_SR: of y^(1/4)); beyond
 // the map's ends, the end.
@@ -384,6 +465,21 @@ inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, floa
     _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(code));
   }
   return;
+#elif defined(__AVX2__)
+  const __m256 vpre = _mm256_set1_ps(pre), vinv = _mm256_set1_ps(inv);
+  const __m256i last = _mm256_set1_epi32(L - 1), one = _mm256_set1_epi32(1);
+  const __m256i off = _mm256_set1_epi32(L - MMap<W>::ZERO);
+  for (int i = 0; i < nb; i += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)(bits + i))), vpre), vinv);
+    const __m256i j = count_holding<L, _CMP_GE_OQ>(y, MMap<W>::SORTED + 1);  // values above the lowest <= y
+    const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(j, one), last);
+    const __m256 lo = lookup<L>(m_sorted_table<W>(), j), hi = lookup<L>(m_sorted_table<W>(), nx);
+    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lo), _mm256_mul_ps(uniform8(index + i, key), _mm256_sub_ps(hi, lo)),
+                                    _CMP_GT_OQ);
+    const __m256i idx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(j), _mm256_castsi256_ps(nx), up));
+    _mm_storel_epi64((__m128i*)(out + i), bytes8(_mm256_and_si256(_mm256_add_epi32(idx, off), last)));
+  }
+  return;
 #endif
   const float* T = MMap<W>::SORTED;
   for (int i = 0; i < nb; ++i) {
@@ -401,8 +497,25 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
                         uint8_t* __restrict out) {
   constexpr int L = VMap<W>::L;
   const float* D = VMap<W>::DECODE;
-  if constexpr (VMap<W>::ROOT_SR) {  // one loop for every build, which the compiler vectorizes
+  if constexpr (VMap<W>::ROOT_SR) {  // AVX2, else a loop the compiler vectorizes (AVX-512)
     static_assert(VMap<W>::OCTAVES == 2.0f, "code c's value is 4^-c: its bits, no lookup (gather)");
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    const __m256 vinv = _mm256_set1_ps(inv), step = _mm256_set1_ps(QUARTER_ROOT_STEP), one_f = _mm256_set1_ps(1.0f);
+    const __m256i last = _mm256_set1_epi32(L - 1), one = _mm256_set1_epi32(1);
+    for (int i = 0; i < nb; i += 8) {
+      const __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)(bits + i))), vinv);
+      const __m256i k = count_holding<L, _CMP_LT_OQ>(y, D + 1);
+      const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(k, one), last);
+      const __m256 lower = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32((int)fbits_c(1.0f)), _mm256_slli_epi32(nx, 24)));
+      __m256 w = _mm256_add_ps(_mm256_mul_ps(uniform8(index + i, key), step), one_f);  // quarter_power_threshold
+      w = _mm256_mul_ps(w, w);
+      w = _mm256_mul_ps(w, w);
+      const __m256 up = _mm256_cmp_ps(y, _mm256_mul_ps(lower, w), _CMP_GT_OQ);
+      const __m256i code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(nx), _mm256_castsi256_ps(k), up));
+      _mm_storel_epi64((__m128i*)(out + i), bytes8(code));
+    }
+    return;
+#endif
     for (int i = 0; i < nb; ++i) {
       const float y = bfloat(bits[i]) * inv;
       int k = 0;
@@ -425,6 +538,20 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
     const __mmask16 up = _mm512_cmp_ps_mask(
         _mm512_sub_ps(y, lower), _mm512_mul_ps(uniform16(index + i, key), _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
     _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(up, nx, k)));
+  }
+  return;
+#elif defined(__AVX2__)
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i last = _mm256_set1_epi32(L - 1), one = _mm256_set1_epi32(1);
+  for (int i = 0; i < nb; i += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)(bits + i))), vinv);
+    const __m256i k = v_values_above<W>(y);  // values below the largest that are > y
+    const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(k, one), last);
+    const __m256 upper = lookup<L>(v_decode_table<W>(), k), lower = lookup<L>(v_decode_table<W>(), nx);
+    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lower),
+                                    _mm256_mul_ps(uniform8(index + i, key), _mm256_sub_ps(upper, lower)), _CMP_GT_OQ);
+    const __m256i code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(nx), _mm256_castsi256_ps(k), up));
+    _mm_storel_epi64((__m128i*)(out + i), bytes8(code));
   }
   return;
 #endif
@@ -586,6 +713,21 @@ inline void unpack_codes(const uint8_t* __restrict in, uint8_t* __restrict out) 
 template <int W>
 inline void pack_codes(const uint8_t* __restrict in, uint8_t* __restrict out) {
   constexpr int PER = 8 / W;
+#if defined(__AVX2__)
+  // neighbours' fields summed by multiply-adds: c0 + 16 c1 (4 bits); (c0 + 4 c1) + 16 (c2 + 4 c3) (2 bits)
+  const __m128i pairs = _mm_set1_epi16(PER == 2 ? 0x1001 : 0x0401), quads = _mm_set1_epi32(0x00100001);
+  for (int j = 0; j < CHUNK; j += 32) {
+    const __m128i lo = _mm_maddubs_epi16(_mm_loadu_si128((const __m128i*)(in + j)), pairs);
+    const __m128i hi = _mm_maddubs_epi16(_mm_loadu_si128((const __m128i*)(in + j + 16)), pairs);
+    if constexpr (PER == 2) {
+      _mm_storeu_si128((__m128i*)(out + j / 2), _mm_packus_epi16(lo, hi));
+    } else {
+      const __m128i w = _mm_packs_epi32(_mm_madd_epi16(lo, quads), _mm_madd_epi16(hi, quads));
+      _mm_storel_epi64((__m128i*)(out + j / 4), _mm_packus_epi16(w, w));
+    }
+  }
+  return;
+#endif
   for (int j = 0; j < CHUNK / PER; ++j) {
     uint8_t b = 0;
     for (int k = 0; k < PER; ++k) b |= (uint8_t)(in[j * PER + k] << (k * W));
@@ -661,8 +803,67 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
     }
   }
 }
+#elif defined(__AVX2__)
+// Pass 1 with AVX2, 8 elements at a time: as the AVX-512 pass (lookups by lane permutes, maxima as unsigned
+// integers).
+template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
+inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t* __restrict mcu,
+                   const float* __restrict ms, const uint8_t* __restrict vcu, const float* __restrict vs,
+                   const Hyper& h, int valid, TStaged& st) {
+  static_assert(MB % 8 == 0 && VB % 8 == 0, "blocks of whole vectors");
+  const __m256 decay = _mm256_set1_ps(h.decay), wd = _mm256_set1_ps(h.wd);
+  const __m256 b1 = _mm256_set1_ps(h.b1), omb1 = _mm256_set1_ps(h.omb1);
+  const __m256 b2 = _mm256_set1_ps(h.b2), omb2 = _mm256_set1_ps(h.omb2);
+  const __m256 ibc2 = _mm256_set1_ps(h.ibc2), eps = _mm256_set1_ps(h.eps), nstep = _mm256_set1_ps(h.nstep);
+  const __m256i zero = _mm256_setzero_si256(), inf = _mm256_set1_epi32((int)INF_BITS);
+  const __m256i above_inf = _mm256_set1_epi32((int)INF_BITS + 1);
+  const __m256i clamp = _mm256_set1_epi32((int)CLAMP_BITS), abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i v_floor = _mm256_set1_epi32((int)fbits(V_FLOOR)), iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i am = zero, pm = zero, vm = v_floor;
+  for (int i = 0; i < CHUNK; i += 8) {
+    const __m256i cm = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mcu + i)));
+    const __m256i cv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(vcu + i)));
+    __m256 gi = _mm256_loadu_ps(g + i);
+    if (MAXIMIZE) gi = _mm256_xor_ps(gi, _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)));
+    __m256 pi = _mm256_loadu_ps(p + i);
+    if (L2) gi = _mm256_add_ps(gi, _mm256_mul_ps(pi, wd));
+    pi = _mm256_mul_ps(pi, decay);
+    __m256 m = _mm256_mul_ps(lookup<MMap<MW>::L>(m_decode_table<MW>(), cm), _mm256_set1_ps(ms[i / MB]));
+    __m256 v = _mm256_mul_ps(lookup<VMap<VW>::L>(v_decode_table<VW>(), cv), _mm256_set1_ps(vs[i / VB]));
+    m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(gi, omb1));
+    v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(gi, gi), omb2));
+    const __m256 den = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), ibc2), eps);
+    pi = _mm256_add_ps(pi, _mm256_mul_ps(nstep, _mm256_div_ps(m, den)));
+    _mm256_storeu_ps(p + i, pi);
+    if (valid < CHUNK) {  // a zero-padded tail: its padding's moments are zeros
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - i), iota));
+      m = _mm256_and_ps(m, live);
+      v = _mm256_and_ps(v, live);
+    }
+    const __m256i u = _mm256_castps_si256(m);
+    __m256i a = _mm256_and_si256(u, abs_mask);  // NaN -> 0, then at most CLAMP
+    a = _mm256_min_epu32(_mm256_andnot_si256(_mm256_cmpgt_epi32(a, inf), a), clamp);
+    _mm256_store_si256((__m256i*)(st.m + i), _mm256_or_si256(a, _mm256_andnot_si256(abs_mask, u)));
+    am = _mm256_max_epu32(am, a);
+    pm = _mm256_max_epu32(pm, _mm256_andnot_si256(_mm256_srai_epi32(u, 31), a));  // negatives: 0
+    __m256i w = _mm256_castps_si256(v);  // negative values and NaN are above inf as unsigned integers: 0
+    w = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(w, above_inf), w), w);
+    w = _mm256_min_epu32(w, clamp);
+    _mm256_store_si256((__m256i*)(st.v + i), w);
+    vm = _mm256_max_epu32(vm, w);
+    if ((i + 8) % MB == 0) {
+      st.m_abs[i / MB] = hmaxu8(am);
+      st.m_pos[i / MB] = hmaxu8(pm);
+      am = pm = zero;
+    }
+    if ((i + 8) % VB == 0) {
+      st.v_max[i / VB] = hmaxu8(vm);
+      vm = v_floor;
+    }
+  }
+}
 #else
-// Pass 1 without AVX-512: the same in loops over fixed-size arrays that the compiler vectorizes (decoding
+// Pass 1 without AVX2: the same in loops over fixed-size arrays that the compiler vectorizes (decoding
 // by selects over codes: no gathers, slow on CPUs with the gather-data-sampling mitigation).
 template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
 inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t* __restrict mcu,
@@ -740,7 +941,7 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
   TStaged st;
   alignas(64) uint8_t mcu[CHUNK];
   alignas(64) uint8_t vcu[CHUNK];
-#if !defined(__AVX512F__)
+#if !defined(__AVX2__)
   alignas(64) float y[CHUNK];      // normalized values to encode
   alignas(64) int32_t idx[CHUNK];  // their codes
 #endif
@@ -768,6 +969,16 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
         __m512 yv = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(st.m + i)), vpre), vinv);
         __m512i code = _mm512_and_si512(_mm512_add_epi32(count_prefix<MMap<MW>::L, _CMP_GT_OQ>(yv, th), off), mask);
         _mm_store_si128((__m128i*)(mcu + i), _mm512_cvtepi32_epi8(code));
+      }
+    }
+#elif defined(__AVX2__)
+    {
+      const __m256 vpre = _mm256_set1_ps(pre), vinv = _mm256_set1_ps(inv);
+      const __m256i off = _mm256_set1_epi32(MMap<MW>::L - MMap<MW>::ZERO), mask = _mm256_set1_epi32(MMap<MW>::L - 1);
+      for (int i = o; i < o + MB; i += 8) {
+        const __m256 yv = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_load_si256((const __m256i*)(st.m + i))), vpre), vinv);
+        const __m256i code = _mm256_and_si256(_mm256_add_epi32(count_holding<MMap<MW>::L, _CMP_GT_OQ>(yv, MT.mid), off), mask);
+        _mm_storel_epi64((__m128i*)(mcu + i), bytes8(code));
       }
     }
 #else
@@ -799,6 +1010,14 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
         __m512 yv = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_load_si512(st.v + i)), vinv);
         __m512i code = v_nearest_code<VW>(yv);  // thresholds above y
         _mm_store_si128((__m128i*)(vcu + i), _mm512_cvtepi32_epi8(code));
+      }
+    }
+#elif defined(__AVX2__)
+    {
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int i = o; i < o + VB; i += 8) {
+        const __m256 yv = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_load_si256((const __m256i*)(st.v + i))), vinv);
+        _mm_storel_epi64((__m128i*)(vcu + i), bytes8(v_nearest_code<VW>(yv)));  // thresholds above y
       }
     }
 #else
@@ -978,25 +1197,7 @@ inline void pass2_avx512(Staged& st, const Hyper& h) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
 
 // The same two passes with AVX2 (8 lanes), for CPUs without AVX-512; bit-identical results.
-inline uint32_t hmaxu8(__m256i x) {
-  __m256i t = _mm256_max_epu32(x, _mm256_permute2x128_si256(x, x, 1));
-  t = _mm256_max_epu32(t, _mm256_shuffle_epi32(t, 0x4E));
-  t = _mm256_max_epu32(t, _mm256_shuffle_epi32(t, 0xB1));
-  return (uint32_t)_mm256_cvtsi256_si32(t);
-}
-
-// 8 int32 in [0, 255] -> 8 bytes (low half of the result)
-inline __m128i bytes8(__m256i x) {
-  __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-  return _mm_packus_epi16(w, w);
-}
-
-// int8's v map, 8 lanes (as v8_shifted, v8_values_above, v8_code): table[c & 15] from two 8-lane halves.
-inline __m256 lookup16(const float* table, __m256i c) {
-  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), c);
-  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), c);
-  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));  // by bit 3 of c
-}
+// int8's v map, 8 lanes (as v8_shifted, v8_values_above, v8_code).
 inline __m256 v8_shifted8(const float* octave, __m256i c) {
   const __m256i bits = _mm256_castps_si256(lookup16(octave, c));
   return _mm256_castsi256_ps(_mm256_sub_epi32(bits, _mm256_slli_epi32(_mm256_srli_epi32(c, 4), 23)));
@@ -1009,17 +1210,6 @@ inline __m256i v8_values_above8(__m256 y) {
   for (int j = 1; j < 16; ++j)  // a true compare is -1
     count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(mant, _mm256_set1_ps(V8_OCTAVE[j] * 2.0f), _CMP_LT_OQ)));
   return _mm256_min_epi32(_mm256_max_epi32(count, _mm256_setzero_si256()), _mm256_set1_epi32(V8_LAST));
-}
-// ``uniform`` of the 8 elements from ``index``.
-inline __m256 uniform8(int64_t index, uint32_t key) {
-  __m256i x = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)index), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                               _mm256_set1_epi32((int)key));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x2c1b3c6d));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9)), _mm256_set1_ps(0x1p-23f));
 }
 inline __m256i v8_code8(__m256 y, bool sr, int64_t index, uint32_t key) {
   const __m256i k = v8_values_above8(y), last = _mm256_set1_epi32(V8_LAST), one = _mm256_set1_epi32(1);
