@@ -279,23 +279,7 @@ inline float quarter_power_threshold(float u) {
   return w * w;
 }
 
-#if defined(__AVX512F__)
-inline __m512i mix32x16(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x2c1b3c6d));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-// ``uniform`` of the 16 elements from ``index``.
-inline __m512 uniform16(int64_t index, uint32_t key) {
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i x = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota),
-                                     _mm512_set1_epi32((int)key));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(mix32x16(x), 9)), _mm512_set1_ps(0x1p-23f));
-}
-
-// int8's v map, 16 lanes (as v8_shifted, v8_values_above, v8_code). Within an octave, how many values or
+// int8's v map in vectors (as v8_shifted, v8_values_above, v8_code). Within an octave, how many values or
 // thresholds lie above a mantissa comes from its top 5 bits and one compare: a 1/32 slice of mantissas holds
 // at most one of them (their spacing is above 1/32 of an octave's span), so ``V8Slices`` counts those above
 // each whole slice and the next one (descending) is compared; 0 past the end is never above. The counts
@@ -318,6 +302,23 @@ struct V8Slices {
   }
 };
 constexpr V8Slices V8_SLICES{};
+
+#if defined(__AVX512F__)
+inline __m512i mix32x16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x2c1b3c6d));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+// ``uniform`` of the 16 elements from ``index``.
+inline __m512 uniform16(int64_t index, uint32_t key) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i x = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota),
+                                     _mm512_set1_epi32((int)key));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(mix32x16(x), 9)), _mm512_set1_ps(0x1p-23f));
+}
+
 constexpr Padded16<16, 16> V8_OCT16(V8_OCTAVE, 0.0f);
 inline __m512 v8_shifted16(__m512 octave, __m512i c) {
   const __m512i bits = _mm512_castps_si512(_mm512_permutexvar_ps(c, octave));  // octave[c & 15]
@@ -1202,21 +1203,30 @@ inline __m256 v8_shifted8(const float* octave, __m256i c) {
   const __m256i bits = _mm256_castps_si256(lookup16(octave, c));
   return _mm256_castsi256_ps(_mm256_sub_epi32(bits, _mm256_slli_epi32(_mm256_srli_epi32(c, 4), 23)));
 }
-inline __m256i v8_values_above8(__m256 y) {
+// table[i & 31] of 32 integers: four 8-lane permutes, blended by bits 3 and 4 of i
+inline __m256i lookup32i(const int32_t* table, __m256i i) {
+  const auto part = [&](int at) {
+    return _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(_mm256_load_si256((const __m256i*)(table + at)), i));
+  };
+  const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)), bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(i, 27));
+  const __m256 lo = _mm256_blendv_ps(part(0), part(8), bit3), hi = _mm256_blendv_ps(part(16), part(24), bit3);
+  return _mm256_castps_si256(_mm256_blendv_ps(lo, hi, bit4));
+}
+// v8_above16 with 8 lanes: the mantissa's slice, then one compare (mantissas are below 2^23: signed compares)
+template <bool THRESHOLDS>
+inline __m256i v8_above8(__m256 y) {
   const __m256i b = _mm256_castps_si256(y);
-  const __m256 mant = _mm256_castsi256_ps(
-      _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffff)), _mm256_set1_epi32(0x3f800000)));
-  __m256i count = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(126), _mm256_srli_epi32(b, 23)), 4);
-  for (int j = 1; j < 16; ++j)  // a true compare is -1
-    count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(mant, _mm256_set1_ps(V8_OCTAVE[j] * 2.0f), _CMP_LT_OQ)));
+  __m256i count = lookup32i(THRESHOLDS ? V8_SLICES.thresholds_above : V8_SLICES.values_above, _mm256_srli_epi32(b, 18));
+  const __m256i next = THRESHOLDS ? lookup32i(V8_SLICES.threshold_after, count)
+                                  : _mm256_castps_si256(lookup16((const float*)V8_SLICES.value_after, count));
+  const __m256i mant = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffff));
+  count = _mm256_sub_epi32(count, _mm256_cmpgt_epi32(next, mant));  // a true compare is -1
+  count = _mm256_sub_epi32(count, _mm256_and_si256(_mm256_srli_epi32(b, 19), _mm256_set1_epi32(0xff0)));  // 16 e
   return _mm256_min_epi32(_mm256_max_epi32(count, _mm256_setzero_si256()), _mm256_set1_epi32(V8_LAST));
 }
 inline __m256i v8_code8(__m256 y, bool sr, int64_t index, uint32_t key) {
-  const __m256i k = v8_values_above8(y), last = _mm256_set1_epi32(V8_LAST), one = _mm256_set1_epi32(1);
-  if (!sr) {
-    const __m256 above = _mm256_cmp_ps(v8_shifted8(V8_TH_OCTAVE, k), y, _CMP_GT_OQ);
-    return _mm256_min_epi32(_mm256_sub_epi32(k, _mm256_castps_si256(above)), last);
-  }
+  if (!sr) return v8_above8<true>(y);
+  const __m256i k = v8_above8<false>(y), last = _mm256_set1_epi32(V8_LAST), one = _mm256_set1_epi32(1);
   const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(k, one), last);
   const __m256 upper = v8_shifted8(V8_OCTAVE, k), lower = v8_shifted8(V8_OCTAVE, nx);
   const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lower), _mm256_mul_ps(uniform8(index, key), _mm256_sub_ps(upper, lower)),
