@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from realtext import batches, fixed_batches, stdlib_tokens
+from realtext import all_windows, batches, fixed_batches, stdlib_tokens
 from torch import Tensor
 from torch.optim.adam import adam
 from transformers import AutoModelForCausalLM
@@ -50,6 +50,7 @@ from megatrain_lightning.store.layout import SMALL_PARAM
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
 EPS = 1e-8
+VAL_BATCH = 64  # windows per validation batch of the curve
 GOALS = {"int8": 0.2, "int4": 0.5, "int3": 2.0, "int2": 2.0}  # % of fp32's final validation loss
 
 
@@ -60,16 +61,17 @@ def shipped_tokens() -> tuple[Tensor, Tensor]:
     return tokens[:cut], tokens[cut:]
 
 
-def machine() -> str:
-    """The CPU and the kernels a run used. fp32 training rounds differently on another CPU (its matmuls
-    and vectorized AdamW), so runs of two machine types differ as the noise floor's do: compare like with
-    like."""
+def machine(device: torch.device) -> str:
+    """The CPU and the kernels a run used (and the GPU the model ran on). fp32 training rounds differently
+    on another CPU or GPU (its matmuls and vectorized AdamW), so runs of two machine types differ as the
+    noise floor's do: compare like with like."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor() or platform.machine()
-    return f"{cpu}, torch {torch.backends.cpu.get_cpu_capability()}, kernel {kernel.backend()}"
+    gpu = f", model on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    return f"{cpu}, torch {torch.backends.cpu.get_cpu_capability()}, kernel {kernel.backend()}{gpu}"
 
 
 def make_model(hidden: int, layers: int, seed: int) -> torch.nn.Module:
@@ -89,30 +91,35 @@ def make_model(hidden: int, layers: int, seed: int) -> torch.nn.Module:
 class StateAdamW:
     """CPUAdamW's arithmetic outside the engine: fused quantized steps for the large decoder-layer
     tensors (``bits``), torch's fused AdamW on fp32 moments for the rest (``fused=False``: its foreach
-    implementation, the same arithmetic in another order)."""
+    implementation, the same arithmetic in another order). As under megatrain, the optimizer runs on the
+    CPU over fp32 masters: with the model on a GPU, gradients come to the host and updated weights go back
+    (on the CPU the copies change no bit)."""
 
     def __init__(
         self, model: torch.nn.Module, bits: int | None, stochastic: tuple[str, ...] | None, fused: bool = True
     ) -> None:
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [
+            (n, p, p.detach().to("cpu", copy=True)) for n, p in model.named_parameters() if p.requires_grad
+        ]
         self.bits, self.stochastic, self.fused = bits, stochastic, fused
         self.state: dict[str, tuple] = {}
-        for name, p in self.params:
-            if bits and ".layers." in name and p.numel() >= SMALL_PARAM:
-                self.state[name] = codecs.empty_state(p.numel(), bits)
+        for name, _, master in self.params:
+            if bits and ".layers." in name and master.numel() >= SMALL_PARAM:
+                self.state[name] = codecs.empty_state(master.numel(), bits)
             else:
-                self.state[name] = (torch.zeros_like(p), torch.zeros_like(p))
+                self.state[name] = (torch.zeros_like(master), torch.zeros_like(master))
         self.step_count = 0
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self.step_count += 1
-        fp32 = [(n, p) for n, p in self.params if len(self.state[n]) == 2]
+        grads = {name: p.grad.to("cpu") for name, p, _ in self.params}
+        fp32 = [(n, p) for n, _, p in self.params if len(self.state[n]) == 2]
         for decay in (True, False):
             group = [(n, p) for n, p in fp32 if (p.dim() >= 2) == decay]
             adam(
                 [p for _, p in group],
-                [p.grad for _, p in group],
+                [grads[n] for n, _ in group],
                 [self.state[n][0] for n, _ in group],
                 [self.state[n][1] for n, _ in group],
                 [],
@@ -128,13 +135,13 @@ class StateAdamW:
                 eps=EPS,
                 maximize=False,
             )
-        for index, (name, p) in enumerate(self.params):
+        for index, (name, _, master) in enumerate(self.params):
             state = self.state[name]
             if len(state) == 2:
                 continue
             quantized_adamw_(
-                p.data.view(-1),
-                p.grad.view(-1),
+                master.view(-1),
+                grads[name].view(-1),
                 *state,
                 bits=self.bits,
                 stochastic=self.stochastic,
@@ -146,6 +153,8 @@ class StateAdamW:
                 eps=EPS,
                 weight_decay=WEIGHT_DECAY,
             )
+        for _, p, master in self.params:
+            p.copy_(master)
 
 
 def lm_loss(model: torch.nn.Module, tokens: Tensor) -> Tensor:
@@ -156,6 +165,21 @@ def lm_loss(model: torch.nn.Module, tokens: Tensor) -> Tensor:
 @torch.no_grad()
 def val_loss(model: torch.nn.Module, val: list[Tensor]) -> float:
     return sum(float(lm_loss(model, b)) for b in val) / len(val)
+
+
+@torch.no_grad()
+def window_losses(model: torch.nn.Module, windows: Tensor, batch: int = 256) -> Tensor:
+    """Each window's mean next-token loss: the final model on the whole held-out split. Two runs' losses on
+    the same windows give their difference with a paired standard error, which says how much of it the
+    choice of validation text alone could make."""
+    losses, device = [], next(model.parameters()).device
+    for rows in windows.split(batch):
+        rows = rows.to(device)
+        logits = model(input_ids=rows[:, :-1]).logits
+        targets = rows[:, 1:].reshape(-1)
+        per_token = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets, reduction="none")
+        losses.append(per_token.view(rows.size(0), -1).mean(1))
+    return torch.cat(losses).cpu()
 
 
 def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
@@ -184,8 +208,10 @@ def parse_mode(mode: str) -> tuple[str, tuple[str, ...] | None]:
     return name, ROUNDINGS[rounding] if rounding else None
 
 
-def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, seed: int) -> dict:
-    model = make_model(args.hidden, args.layers, seed)
+def train(
+    args, train_tokens: Tensor, val: list[Tensor], held_out: Tensor, mode: str, lr: float, seed: int
+) -> dict:
+    model = make_model(args.hidden, args.layers, seed).to(args.device)
     name, stochastic = parse_mode(mode)
     opt = StateAdamW(model, COMPRESSIONS[name], stochastic, fused=mode != NOISE_FLOOR)
     data = batches(train_tokens, args.batch, args.seq + 1, seed=seed)
@@ -193,7 +219,7 @@ def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, s
     start = time.perf_counter()
     for step in range(args.steps):
         model.zero_grad(set_to_none=False)
-        loss = lm_loss(model, next(data))
+        loss = lm_loss(model, next(data).to(args.device))
         loss.backward()
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -205,8 +231,13 @@ def train(args, train_tokens: Tensor, val: list[Tensor], mode: str, lr: float, s
             eta = elapsed / (step + 1) * (args.steps - step - 1)
             print(f"  {mode} lr {lr:g} seed {seed}: step {step + 1}/{args.steps} val loss {curve[-1][1]:.4f} "
                   f"({elapsed:.0f} s, ETA {eta:.0f} s)", flush=True)  # fmt: skip
-    return dict(mode=mode, lr=lr, seed=seed, final=curve[-1][1], curve=curve, train=train_losses,
-                seconds=time.perf_counter() - start, machine=machine())  # fmt: skip
+    seconds, device = time.perf_counter() - start, torch.device(args.device)
+    result = dict(mode=mode, lr=lr, seed=seed, final=curve[-1][1], curve=curve, train=train_losses,
+                  seconds=seconds, machine=machine(device))  # fmt: skip
+    if args.held_out:
+        windows = window_losses(model, held_out)
+        result.update(held_out=float(windows.double().mean()), windows=[round(float(x), 5) for x in windows])
+    return result
 
 
 def spread(finals: list[float], single: str) -> str:
@@ -252,6 +283,32 @@ def report(results: list[dict], modes: list[str]) -> list[str]:
             cells.append(" / ".join(f"{c:+.2f}%" for c in changes) + verdict)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def held_out_report(results: list[dict], modes: list[str], curve_windows: int) -> list[str]:
+    """The change of each mode's loss on the whole held-out split against fp32 state's (same lr and seed),
+    with the paired standard error of the mean of per-window differences: how much of a change the choice
+    of validation windows alone makes (over all of them, and over as many windows as the curve's
+    ``--val-batches`` hold). Windows are consecutive text, so neighbours correlate and the figure is a
+    lower bound. A change well beyond it is the trained weights', not the validation sample's."""
+    runs = {(r["mode"], r["lr"], r["seed"]): r for r in results if "windows" in r}
+    others = [m for m in modes if m != "none"]
+    columns = ["lr", "seed", "fp32 held-out loss", *(f"{m} change (s.e.; at the curve's)" for m in others)]
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    for lr, seed in sorted({(lr, seed) for m, lr, seed in runs if m == "none"}):
+        ref = runs[("none", lr, seed)]
+        base = torch.tensor(ref["windows"], dtype=torch.float64)
+        cells = [f"{lr:g}", str(seed), f"{ref['held_out']:.4f}"]
+        for m in others:
+            if (m, lr, seed) not in runs:
+                cells.append("not run")
+                continue
+            windows = torch.tensor(runs[(m, lr, seed)]["windows"], dtype=torch.float64)
+            diff = (windows - base) / base.mean() * 100
+            cells.append(f"{float(diff.mean()):+.2f}% ({float(diff.std() / diff.numel() ** 0.5):.2f}%; "
+                         f"{float(diff.std() / curve_windows ** 0.5):.2f}%)")  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines if len(lines) > 2 else []
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
@@ -302,7 +359,18 @@ def main() -> None:
     )
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--val-batches", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (the optimizer's, and the model's on cpu)"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the model computes, e.g. cuda (the optimizer stays on the CPU)"
+    )
+    parser.add_argument(
+        "--held-out",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also evaluate the final model on the whole held-out split, window by window",
+    )
     parser.add_argument("--json", default=str(Path(__file__).with_name("convergence.json")))
     parser.add_argument("--out", default=str(Path(__file__).with_name("convergence.png")))
     parser.add_argument(
@@ -315,7 +383,8 @@ def main() -> None:
         order = [NOISE_FLOOR, *COMPRESSIONS]  # then any roundings, as they come
         modes = sorted(dict.fromkeys(r["mode"] for r in results), key=lambda m: (order + [m]).index(m))
         print(runs[0]["header"])
-        print("\n".join(report(results, modes)))
+        curve_windows = runs[0]["args"]["val_batches"] * VAL_BATCH
+        print("\n".join(report(results, modes) + held_out_report(results, modes, curve_windows)))
         machines = sorted({r.get("machine", "machine not recorded") for r in results})
         print("runs made on: " + "; ".join(machines))
         plot(results, args.out, runs[0]["header"])
@@ -323,7 +392,8 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     torch.set_num_threads(args.threads)
     train_tokens, val_tokens = stdlib_tokens() if args.corpus == "stdlib" else shipped_tokens()
-    val = fixed_batches(val_tokens, args.val_batches, 64, args.seq + 1)
+    val = [b.to(args.device) for b in fixed_batches(val_tokens, args.val_batches, VAL_BATCH, args.seq + 1)]
+    held_out = all_windows(val_tokens, args.seq + 1)
     n_params = sum(p.numel() for p in make_model(args.hidden, args.layers, 0).parameters())
     header = (
         f"{args.corpus} corpus ({train_tokens.numel() / 1e6:.2f}M train / "
@@ -338,12 +408,13 @@ def main() -> None:
     for seed in args.seeds:
         for lr in args.lrs:
             for mode in args.modes:
-                r = train(args, train_tokens, val, mode, lr, seed)
+                r = train(args, train_tokens, val, held_out, mode, lr, seed)
                 results.append(r)
                 final = f"final val loss {r['final']:.4f} ({r['seconds']:.0f} s)"
                 print(f"lr {lr:g} seed {seed} {mode:>5}: {final}", flush=True)
                 Path(args.json).write_text(json.dumps(dict(header=header, args=vars(args), results=results)))
-    print("\n".join(report(results, args.modes)))
+    curve_windows = args.val_batches * VAL_BATCH
+    print("\n".join(report(results, args.modes) + held_out_report(results, args.modes, curve_windows)))
     plot(results, args.out, header)
     print(f"wrote {args.json} and {args.out}")
 

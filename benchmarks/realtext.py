@@ -41,3 +41,8 @@ def fixed_batches(
     """The same ``count`` validation batches for every run."""
     it = batches(tokens, batch_size, seq_len, seed)
     return [next(it) for _ in range(count)]
+
+
+def all_windows(tokens: Tensor, seq_len: int) -> Tensor:
+    """The whole split as consecutive, non-overlapping windows of ``seq_len`` tokens (the rest dropped)."""
+    return tokens[: tokens.numel() // seq_len * seq_len].view(-1, seq_len)
