@@ -16,10 +16,14 @@ CPUAdamW's arithmetic, i.e. per parameter either torch's fused AdamW on fp32 mom
 quantized step (``optim/quantized.py``), with CPUAdamW's policy of which parameters get compressed
 state (the >= 4096-element tensors of the decoder layers; embeddings, head and norms keep fp32). The
 paging engine around it is bitwise neutral (tested elsewhere) and only slower, so it is left out.
+``--device cuda`` computes the model on a GPU (the optimizer stays on the CPU, over fp32 masters): the
+grid at a larger batch in minutes instead of days.
 
 Every (lr, seed) pair starts all modes from the same weights and feeds them the same batches. Reported:
-the final validation loss (``--val-batches`` fixed held-out batches) per mode and its change against
-fp32 state, beside fp32's seed-to-seed spread; results go to ``--json`` and the curves to ``--out``.
+the final validation loss (``--val-batches`` fixed held-out batches, the curve's) per mode and its change
+against fp32 state, beside fp32's seed-to-seed spread; and the change on the whole held-out split with the
+part of it that the validation sample alone explains (``held_out_report``). Results go to ``--json`` and
+the curves to ``--out``.
 """
 
 from __future__ import annotations
