@@ -1,5 +1,4 @@
-"""Block-wise absmax codecs for compressed Adam moments (int8 / int4 / int3 / int2), separate from the
-optimizer.
+"""Block-wise absmax codecs for compressed Adam moments (int8/int4/int3/int2), apart from the optimizer.
 
 A *format* (``FORMATS``, keyed by the mode's average bits per moment) gives each moment a code width, a
 block size and a map; every value decodes as ``table[code] * scale``, one fp32 scale per block:
@@ -80,10 +79,9 @@ Error bounds per element x of a block whose cleaned absmax is A (checked by test
 * Stochastic rounding: the whole gap instead of half of it (m: the largest gap of the map, or the
   distance from -1; v: ``(2^r - 1) * x``); values of the map encode exactly.
 
-The log maps' values (and thresholds) repeat per octave exactly: each is a power of two times the value of
-its place in the octave, so the C++ kernel keeps one octave's values and shifts exponents. The fused
-optimizer step (``quantized.py``) uses exactly these codecs; its C++ kernel and torch fallback agree with
-this module bit for bit.
+The log maps' values and thresholds repeat per octave exactly (powers of two times those of one octave),
+so the C++ kernel keeps one octave and shifts exponents. The fused step (``quantized.py``) uses exactly
+these codecs; its C++ kernel and torch fallback agree with this module bit for bit.
 """
 
 from __future__ import annotations
