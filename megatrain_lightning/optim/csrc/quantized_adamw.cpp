@@ -498,7 +498,7 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
                         uint8_t* __restrict out) {
   constexpr int L = VMap<W>::L;
   const float* D = VMap<W>::DECODE;
-  if constexpr (VMap<W>::ROOT_SR) {  // AVX2, else a loop the compiler vectorizes (AVX-512)
+  if constexpr (VMap<W>::ROOT_SR) {  // AVX2 below; AVX-512 and portable builds: a loop the compiler vectorizes
     static_assert(VMap<W>::OCTAVES == 2.0f, "code c's value is 4^-c: its bits, no lookup (gather)");
 #if defined(__AVX2__) && !defined(__AVX512F__)
     const __m256 vinv = _mm256_set1_ps(inv), step = _mm256_set1_ps(QUARTER_ROOT_STEP), one_f = _mm256_set1_ps(1.0f);
