@@ -97,14 +97,12 @@ class StateAdamW:
     tensors (``bits``), torch's fused AdamW on fp32 moments for the rest (``fused=False``: its foreach
     implementation, the same arithmetic in another order). As under megatrain, the optimizer runs on the
     CPU over fp32 masters: with the model on a GPU, gradients come to the host and updated weights go back
-    (on the CPU the copies change no bit)."""
+    (on the CPU the masters are the parameters themselves: no copies)."""
 
     def __init__(
         self, model: torch.nn.Module, bits: int | None, stochastic: tuple[str, ...] | None, fused: bool = True
     ) -> None:
-        self.params = [
-            (n, p, p.detach().to("cpu", copy=True)) for n, p in model.named_parameters() if p.requires_grad
-        ]
+        self.params = [(n, p, p.detach().cpu()) for n, p in model.named_parameters() if p.requires_grad]
         self.bits, self.stochastic, self.fused = bits, stochastic, fused
         self.state: dict[str, tuple] = {}
         for name, _, master in self.params:
@@ -158,7 +156,8 @@ class StateAdamW:
                 weight_decay=WEIGHT_DECAY,
             )
         for _, p, master in self.params:
-            p.copy_(master)
+            if p.device != master.device:
+                p.copy_(master)
 
 
 def lm_loss(model: torch.nn.Module, tokens: Tensor) -> Tensor:
