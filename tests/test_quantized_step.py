@@ -471,6 +471,25 @@ def test_adversarial_kernel_matches_fallback(bits: int) -> None:
     _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_kernel_matches_fallback_beyond_the_ends_of_the_v_map(bits: int) -> None:
+    """Gradients over 12 octaves, so v spans 24 in a block: more than any v map holds. Values beyond its
+    last code (where stochastic rounding has one neighbour) and on octave boundaries, in every block."""
+    _kernel_or_skip()
+    n = 256 * 8
+    g = torch.randn(n, generator=torch.Generator().manual_seed(11))
+    g *= 2.0 ** (-12 * torch.rand(n, generator=torch.Generator().manual_seed(12)))
+    runs = []
+    for use_kernel in (True, False):
+        p, state = torch.ones(n), C.empty_state(n, bits)
+        for step in (1, 2, 3):
+            Q.quantized_adamw_(p, g, *state, bits=bits, step=step, use_kernel=use_kernel, **HP)
+        runs.append((p, *state))
+    _assert_identical(*runs)
+    if bits == 8:  # one code per byte: the last code and its neighbour are there
+        assert {254, 255} <= set(runs[0][3].tolist())
+
+
 def test_kernel_ignores_flush_denormal() -> None:
     """torch.set_flush_denormal(True) must not change the kernel's decoding of small codes."""
     _kernel_or_skip()

@@ -366,6 +366,12 @@ inline __m128i bytes8(__m256i x) {
   __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
   return _mm_packus_epi16(w, w);
 }
+// 4 x 8 int32 in [0, 255] -> 32 bytes at ``out``, in order (the packs work per 128-bit lane: a lane permute
+// puts the 4-byte groups back in place)
+inline void store_bytes32(uint8_t* out, __m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+  _mm256_storeu_si256((__m256i*)out, _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
 
 // table[c & 15] from two 8-lane halves
 inline __m256 lookup16(const float* table, __m256i c) {
@@ -1224,14 +1230,26 @@ inline __m256i v8_above8(__m256 y) {
   count = _mm256_sub_epi32(count, _mm256_and_si256(_mm256_srli_epi32(b, 19), _mm256_set1_epi32(0xff0)));  // 16 e
   return _mm256_min_epi32(_mm256_max_epi32(count, _mm256_setzero_si256()), _mm256_set1_epi32(V8_LAST));
 }
+// V8_OCTAVE[j + 1] (j < 15) and, for j = 15, the next octave's first value (1/2): the value after code c
+// is V8_NEXT[c & 15] shifted as c's own
+constexpr Padded16<15, 16> V8_NEXT(V8_OCTAVE + 1, 0.5f);
 inline __m256i v8_code8(__m256 y, bool sr, int64_t index, uint32_t key) {
   if (!sr) return v8_above8<true>(y);
-  const __m256i k = v8_above8<false>(y), last = _mm256_set1_epi32(V8_LAST), one = _mm256_set1_epi32(1);
-  const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(k, one), last);
-  const __m256 upper = v8_shifted8(V8_OCTAVE, k), lower = v8_shifted8(V8_OCTAVE, nx);
+  // y between code k's value and code k + 1's (one lane permute index, one exponent shift for both); at the
+  // last code both neighbours are k (v8_code), and here k + 1 clamps back to it
+  const __m256i k = v8_above8<false>(y), shift = _mm256_slli_epi32(_mm256_srli_epi32(k, 4), 23);
+  const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(k, 28));
+  const auto in_octave = [&](const float* table) {
+    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), k);
+    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), k);
+    return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(_mm256_blendv_ps(lo, hi, bit3)), shift));
+  };
+  const __m256 upper = in_octave(V8_OCTAVE), lower = in_octave(V8_NEXT.t);
   const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lower), _mm256_mul_ps(uniform8(index, key), _mm256_sub_ps(upper, lower)),
                                   _CMP_GT_OQ);
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(nx), _mm256_castsi256_ps(k), up));
+  const __m256i nx = _mm256_add_epi32(k, _mm256_set1_epi32(1));
+  return _mm256_min_epi32(_mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(nx), _mm256_castsi256_ps(k), up)),
+                          _mm256_set1_epi32(V8_LAST));
 }
 
 template <bool MAXIMIZE, bool L2, bool TAIL>
@@ -1294,8 +1312,6 @@ inline void pass1_avx2(float* __restrict p, const float* __restrict g, uint8_t* 
 inline void pass2_avx2(Staged& st, const Hyper& h) {
   const float* __restrict mn = st.mn;
   const float* __restrict vn = st.vn;
-  uint8_t* __restrict mc = st.mc;
-  uint8_t* __restrict vc = st.vc;
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
   const __m256i one = _mm256_set1_epi32(1), zeroi = _mm256_setzero_si256();
   const float A = st.A;
@@ -1304,7 +1320,7 @@ inline void pass2_avx2(Staged& st, const Hyper& h) {
   st.ms[0] = A / M8_TOP;
   const __m256 vpre = _mm256_set1_ps(pre), inv = _mm256_set1_ps(inv_s);
   const __m256i rbias = _mm256_set1_epi32(0x7FFFF - (896 << 20));
-  for (int k = 0; k < CHUNK; k += 8) {
+  const auto m_code = [&](int k) {
     __m256 x = _mm256_load_ps(mn + k);
     __m256 z = _mm256_mul_ps(_mm256_mul_ps(_mm256_andnot_ps(sign, x), vpre), inv);
     __m256i zb = _mm256_castps_si256(z);
@@ -1318,17 +1334,18 @@ inline void pass2_avx2(Staged& st, const Hyper& h) {
     code = _mm256_min_epi32(code, _mm256_set1_epi32(127));
     __m256i setsign = _mm256_and_si256(_mm256_srai_epi32(_mm256_castps_si256(x), 31),
                                        _mm256_cmpgt_epi32(code, zeroi));
-    code = _mm256_or_si256(code, _mm256_and_si256(setsign, _mm256_set1_epi32(128)));
-    _mm_storel_epi64((__m128i*)(mc + k), bytes8(code));
-  }
+    return _mm256_or_si256(code, _mm256_and_si256(setsign, _mm256_set1_epi32(128)));
+  };
+  for (int k = 0; k < CHUNK; k += 32) store_bytes32(st.mc + k, m_code(k), m_code(k + 8), m_code(k + 16), m_code(k + 24));
   for (int half = 0; half < 2; ++half) {
     const float VA = st.VA[half];
     const __m256 vinv = _mm256_set1_ps(1.0f / VA);
     st.vs[half] = VA;
-    for (int k = half * HALF; k < (half + 1) * HALF; k += 8) {
-      const __m256i code = v8_code8(_mm256_mul_ps(_mm256_load_ps(vn + k), vinv), h.sr_v, st.base + k, h.key_v);
-      _mm_storel_epi64((__m128i*)(vc + k), bytes8(code));
-    }
+    const auto v_code = [&](int k) {
+      return v8_code8(_mm256_mul_ps(_mm256_load_ps(vn + k), vinv), h.sr_v, st.base + k, h.key_v);
+    };
+    for (int k = half * HALF; k < (half + 1) * HALF; k += 32)
+      store_bytes32(st.vc + k, v_code(k), v_code(k + 8), v_code(k + 16), v_code(k + 24));
   }
 }
 #endif  // __AVX2__ && !__AVX512F__
