@@ -3,7 +3,7 @@
 Run (the acceptance grid of issue 15; hours on a 2-core machine)::
 
     python benchmarks/convergence.py --corpus stdlib --steps 1000 --lrs 1e-3 3e-3 1e-2 --seeds 0 1 \\
-        --modes none int8 int4 int3 int2
+        --modes none none:foreach int8 int4 int3 int2 --jobs 2
 
 Text: the Python standard library's own ``.py`` files (``realtext.py``: byte-level, every 10th file
 held out for validation) or the corpus shipped with the package (``--corpus shipped``: its last 5%
@@ -17,7 +17,8 @@ quantized step (``optim/quantized.py``), with CPUAdamW's policy of which paramet
 state (the >= 4096-element tensors of the decoder layers; embeddings, head and norms keep fp32). The
 paging engine around it is bitwise neutral (tested elsewhere) and only slower, so it is left out.
 ``--device cuda`` computes the model on a GPU (the optimizer stays on the CPU, over fp32 masters): the
-grid at a larger batch in minutes instead of days.
+grid at a larger batch in minutes instead of days. ``--jobs`` runs that many runs at once, each in its own
+process (on a GPU they share it).
 
 Every (lr, seed) pair starts all modes from the same weights and feeds them the same batches. Reported:
 the final validation loss (``--val-batches`` fixed held-out batches, the curve's) per mode and its change
@@ -31,11 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import platform
 import statistics
 import textwrap
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -215,6 +218,7 @@ def train(
     args, train_tokens: Tensor, val: list[Tensor], held_out: Tensor, mode: str, lr: float, seed: int
 ) -> dict:
     model = make_model(args.hidden, args.layers, seed).to(args.device)
+    val = [b.to(args.device) for b in val]
     name, stochastic = parse_mode(mode)
     opt = StateAdamW(model, COMPRESSIONS[name], stochastic, fused=mode != NOISE_FLOOR)
     data = batches(train_tokens, args.batch, args.seq + 1, seed=seed)
@@ -241,6 +245,33 @@ def train(
         windows = window_losses(model, held_out)
         result.update(held_out=float(windows.double().mean()), windows=[round(float(x), 5) for x in windows])
     return result
+
+
+def run_grid(args, tokens: Tensor, val: list[Tensor], held_out: Tensor, header: str) -> list[dict]:
+    """Every (seed, lr, mode) run, ``--jobs`` at a time, each in a process of its own with ``--threads``
+    threads. Results come in the grid's order whichever ends first, and the JSON is rewritten as each run
+    ends, so an interrupted grid keeps the runs that finished."""
+    grid = [(mode, lr, seed) for seed in args.seeds for lr in args.lrs for mode in args.modes]
+    done: dict[int, dict] = {}
+
+    def finished(index: int, r: dict) -> None:
+        done[index] = r
+        print(f"lr {r['lr']:g} seed {r['seed']} {r['mode']:>5}: final val loss {r['final']:.4f} "
+              f"({r['seconds']:.0f} s)", flush=True)  # fmt: skip
+        results = [done[i] for i in sorted(done)]
+        Path(args.json).write_text(json.dumps(dict(header=header, args=vars(args), results=results)))
+
+    if args.jobs == 1:
+        for index, run in enumerate(grid):
+            finished(index, train(args, tokens, val, held_out, *run))
+    else:
+        spawn = multiprocessing.get_context("spawn")  # a forked process cannot use CUDA
+        threads = dict(initializer=torch.set_num_threads, initargs=(args.threads,))
+        with ProcessPoolExecutor(args.jobs, spawn, **threads) as pool:
+            runs = {pool.submit(train, args, tokens, val, held_out, *run): i for i, run in enumerate(grid)}
+            for future in as_completed(runs):
+                finished(runs[future], future.result())
+    return [done[i] for i in sorted(done)]
 
 
 def spread(finals: list[float], single: str) -> str:
@@ -366,6 +397,9 @@ def main() -> None:
         "--threads", type=int, default=1, help="CPU threads (the optimizer's, and the model's on cpu)"
     )
     parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once, a process each (at most the cores / --threads)"
+    )
+    parser.add_argument(
         "--device", default="cpu", help="where the model computes, e.g. cuda (the optimizer stays on the CPU)"
     )
     parser.add_argument(
@@ -395,7 +429,7 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     torch.set_num_threads(args.threads)
     train_tokens, val_tokens = stdlib_tokens() if args.corpus == "stdlib" else shipped_tokens()
-    val = [b.to(args.device) for b in fixed_batches(val_tokens, args.val_batches, VAL_BATCH, args.seq + 1)]
+    val = fixed_batches(val_tokens, args.val_batches, VAL_BATCH, args.seq + 1)
     held_out = all_windows(val_tokens, args.seq + 1)
     n_params = sum(p.numel() for p in make_model(args.hidden, args.layers, 0).parameters())
     header = (
@@ -407,15 +441,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(header, flush=True)
-    results = []
-    for seed in args.seeds:
-        for lr in args.lrs:
-            for mode in args.modes:
-                r = train(args, train_tokens, val, held_out, mode, lr, seed)
-                results.append(r)
-                final = f"final val loss {r['final']:.4f} ({r['seconds']:.0f} s)"
-                print(f"lr {lr:g} seed {seed} {mode:>5}: {final}", flush=True)
-                Path(args.json).write_text(json.dumps(dict(header=header, args=vars(args), results=results)))
+    results = run_grid(args, train_tokens, val, held_out, header)
     curve_windows = args.val_batches * VAL_BATCH
     print("\n".join(report(results, args.modes) + held_out_report(results, args.modes, curve_windows)))
     plot(results, args.out, header)
