@@ -1235,16 +1235,10 @@ inline __m256i v8_above8(__m256 y) {
 constexpr Padded16<15, 16> V8_NEXT(V8_OCTAVE + 1, 0.5f);
 inline __m256i v8_code8(__m256 y, bool sr, int64_t index, uint32_t key) {
   if (!sr) return v8_above8<true>(y);
-  // y between code k's value and code k + 1's (one lane permute index, one exponent shift for both); at the
-  // last code both neighbours are k (v8_code), and here k + 1 clamps back to it
-  const __m256i k = v8_above8<false>(y), shift = _mm256_slli_epi32(_mm256_srli_epi32(k, 4), 23);
-  const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(k, 28));
-  const auto in_octave = [&](const float* table) {
-    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), k);
-    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), k);
-    return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(_mm256_blendv_ps(lo, hi, bit3)), shift));
-  };
-  const __m256 upper = in_octave(V8_OCTAVE), lower = in_octave(V8_NEXT.t);
+  // y between code k's value and code k + 1's (the same lane permute index and exponent shift: the compiler
+  // computes them once); at the last code both neighbours are k (v8_code), and here k + 1 clamps back to it
+  const __m256i k = v8_above8<false>(y);
+  const __m256 upper = v8_shifted8(V8_OCTAVE, k), lower = v8_shifted8(V8_NEXT.t, k);
   const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lower), _mm256_mul_ps(uniform8(index, key), _mm256_sub_ps(upper, lower)),
                                   _CMP_GT_OQ);
   const __m256i nx = _mm256_add_epi32(k, _mm256_set1_epi32(1));
