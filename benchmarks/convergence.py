@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 from transformers import AutoModelForCausalLM
 
-from megatrain_lightning.optim import codecs, kernel
+from megatrain_lightning.optim import codecs, kernel, rounding
 from megatrain_lightning.optim.adamw import COMPRESSIONS
 from megatrain_lightning.optim.quantized import quantized_adamw_
 from megatrain_lightning.presets import tiny_config
@@ -100,24 +100,36 @@ class StateAdamW:
     tensors (``bits``), torch's fused AdamW on fp32 moments for the rest (``fused=False``: its foreach
     implementation, the same arithmetic in another order). As under megatrain, the optimizer runs on the
     CPU over fp32 masters: with the model on a GPU, gradients come to the host and updated weights go back
-    (on the CPU the masters are the parameters themselves: no copies)."""
+    (on the CPU the masters are the parameters themselves: no copies). ``only`` ("m" or "v"): every
+    tensor steps on fp32 moments, and then that moment of the large decoder-layer tensors makes a round
+    trip through the format's codec (its rounding): which moment a format's change comes from."""
 
     def __init__(
-        self, model: torch.nn.Module, bits: int | None, stochastic: tuple[str, ...] | None, fused: bool = True
+        self,
+        model: torch.nn.Module,
+        bits: int | None,
+        stochastic: tuple[str, ...] | None,
+        fused: bool = True,
+        only: str | None = None,
     ) -> None:
         self.params = [(n, p, p.detach().cpu()) for n, p in model.named_parameters() if p.requires_grad]
-        self.bits, self.stochastic, self.fused = bits, stochastic, fused
+        self.bits, self.stochastic, self.fused, self.only = bits, stochastic, fused, only
         self.state: dict[str, tuple] = {}
+        self.round_trip: list[str] = []
         for name, _, master in self.params:
             if bits and ".layers." in name and master.numel() >= SMALL_PARAM:
-                self.state[name] = codecs.empty_state(master.numel(), bits)
-            else:
-                self.state[name] = (torch.zeros_like(master), torch.zeros_like(master))
+                if only:
+                    self.round_trip.append(name)
+                else:
+                    self.state[name] = codecs.empty_state(master.numel(), bits)
+                    continue
+            self.state[name] = (torch.zeros_like(master), torch.zeros_like(master))
         self.step_count = 0
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        self.step_count += 1
+        taken = float(self.step_count)  # torch's adam counts this step itself: it takes the steps before
+        self.step_count += 1  # the fused quantized step takes this one's number
         grads = {name: p.grad.to("cpu") for name, p, _ in self.params}
         fp32 = [(n, p) for n, _, p in self.params if len(self.state[n]) == 2]
         for decay in (True, False):
@@ -128,7 +140,7 @@ class StateAdamW:
                 [self.state[n][0] for n, _ in group],
                 [self.state[n][1] for n, _ in group],
                 [],
-                [torch.tensor(float(self.step_count)) for _ in group],
+                [torch.tensor(taken) for _ in group],
                 foreach=not self.fused,
                 fused=self.fused,
                 decoupled_weight_decay=True,
@@ -158,6 +170,13 @@ class StateAdamW:
                 eps=EPS,
                 weight_decay=WEIGHT_DECAY,
             )
+        for index, name in enumerate(self.round_trip):
+            kind, which = self.only, "mv".index(self.only)
+            moment = self.state[name][which]
+            key = rounding.rounding_keys(index, self.step_count)[which]
+            sr = kind in codecs.FORMATS[self.bits].stochastic
+            codes, scales = codecs.quantize(moment, kind, self.bits, key if sr else None)
+            moment.copy_(codecs.dequantize(codes, scales, kind, self.bits, moment.numel()).view_as(moment))
         for _, p, master in self.params:
             if p.device != master.device:
                 p.copy_(master)
@@ -195,23 +214,25 @@ def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
 
 
 ROUNDINGS = {"nearest": (), "sr-v": ("v",), "sr-m": ("m",), "sr-mv": ("m", "v")}
+ONE_MOMENT = {"m-only": "m", "v-only": "v"}  # the other moment fp32 (StateAdamW's ``only``)
 # fp32 state through torch's foreach AdamW instead of its fused one: the same arithmetic in another order,
 # so how far it ends from "none" is how far any perturbation of a few ulps carries: the benchmark's noise
 NOISE_FLOOR = "none:foreach"
 
 
-def parse_mode(mode: str) -> tuple[str, tuple[str, ...] | None]:
+def parse_mode(mode: str) -> tuple[str, tuple[str, ...] | None, str | None]:
     """``"int4"`` (the format's rounding) or ``"int4:nearest"`` / ``":sr-v"`` / ``":sr-m"`` / ``":sr-mv"``;
-    or ``NOISE_FLOOR``."""
+    ``"int4:m-only"`` / ``":v-only"`` (one moment compressed); or ``NOISE_FLOOR``. Returns the compression,
+    the moments rounded stochastically (None: the format's) and the one moment compressed (None: both)."""
     if mode == NOISE_FLOOR:
-        return "none", None
-    name, _, rounding = mode.partition(":")
-    if name not in COMPRESSIONS or (rounding and rounding not in ROUNDINGS):
+        return "none", None, None
+    name, _, variant = mode.partition(":")
+    if name not in COMPRESSIONS or (variant and variant not in ROUNDINGS and variant not in ONE_MOMENT):
         raise SystemExit(
-            f"mode {mode!r}: a compression of {tuple(COMPRESSIONS)}, optionally :{'|'.join(ROUNDINGS)}; "
-            f"or {NOISE_FLOOR}"
+            f"mode {mode!r}: a compression of {tuple(COMPRESSIONS)}, optionally "
+            f":{'|'.join([*ROUNDINGS, *ONE_MOMENT])}; or {NOISE_FLOOR}"
         )
-    return name, ROUNDINGS[rounding] if rounding else None
+    return name, ROUNDINGS.get(variant), ONE_MOMENT.get(variant)
 
 
 def train(
@@ -219,8 +240,8 @@ def train(
 ) -> dict:
     model = make_model(args.hidden, args.layers, seed).to(args.device)
     val = [b.to(args.device) for b in val]
-    name, stochastic = parse_mode(mode)
-    opt = StateAdamW(model, COMPRESSIONS[name], stochastic, fused=mode != NOISE_FLOOR)
+    name, stochastic, only = parse_mode(mode)
+    opt = StateAdamW(model, COMPRESSIONS[name], stochastic, fused=mode != NOISE_FLOOR, only=only)
     data = batches(train_tokens, args.batch, args.seq + 1, seed=seed)
     curve, train_losses = [], []
     start = time.perf_counter()
@@ -381,8 +402,8 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["none", "int8", "int4", "int3", "int2"],
-        help="compressions, optionally with a rounding: int4:nearest, int4:sr-v, int4:sr-m, int4:sr-mv; "
-        "none:foreach (the noise floor)",
+        help="compressions, optionally with a rounding: int4:nearest, int4:sr-v, int4:sr-m, int4:sr-mv, or "
+        "one moment compressed: int4:m-only, int4:v-only; none:foreach (the noise floor)",
     )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
