@@ -16,9 +16,8 @@ import convergence  # noqa: E402
 
 def _model_and_twin() -> tuple[torch.nn.Module, torch.nn.Module]:
     """Two copies of one byte-level Llama (its 64 x 64 projections get compressed state)."""
-    return convergence.make_model(hidden=64, layers=1, seed=0), convergence.make_model(
-        hidden=64, layers=1, seed=0
-    )
+    model, twin = (convergence.make_model(hidden=64, layers=1, seed=0) for _ in range(2))
+    return model, twin
 
 
 def _step_both(model, twin, ours, theirs, steps: int, lr: float = 1e-2) -> None:
@@ -52,8 +51,8 @@ def test_compressed_tensors_take_adamws_first_step(mode):
     """From zero state the first update uses the exact new moments (the codes only store them), so every
     tensor, compressed or not, moves as AdamW moves it: a step count off by one scales it by 0.74."""
     model, twin = _model_and_twin()
-    name, stochastic, only = convergence.parse_mode(mode)
-    ours = convergence.StateAdamW(model, convergence.COMPRESSIONS[name], stochastic, only=only)
+    compression, stochastic, only = convergence.parse_mode(mode)
+    ours = convergence.StateAdamW(model, convergence.COMPRESSIONS[compression], stochastic, only=only)
     assert ours.round_trip if only else any(len(state) == 4 for state in ours.state.values())
     _step_both(model, twin, ours, _torch_adamw(twin), steps=1)
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
