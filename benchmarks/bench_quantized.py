@@ -141,9 +141,10 @@ def report_main(times: dict[str, list[float]], numel: int) -> dict[str, float]:
 
 
 def bench_sources(numel: int, rounds: int, other: Path) -> None:
-    """This checkout's kernel against one built from ``other`` (an earlier ``quantized_adamw.cpp``): steps
-    of each format alternated on the same data; medians per element, their ratio, and whether the two
-    left the same parameters and state bit for bit."""
+    """This checkout's kernel against one built from ``other`` (an earlier ``quantized_adamw.cpp``, with the
+    headers beside it: e.g. in ``git worktree add /tmp/before REV``): steps of each format alternated on the
+    same data; medians per element, their ratio, and whether the two left the same parameters and state
+    bit for bit."""
     kernels, mine = {}, K._SOURCE
     for name, source in (("this", mine), ("other", other)):
         K._SOURCE, K._kernel, K._kernel_error = Path(source), None, None
@@ -257,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-others", action="store_true", help="skip the third-party optimizers")
     parser.add_argument("--fallback", action="store_true", help="also time the pure-torch fallback once")
     parser.add_argument(
-        "--vs-source", type=Path, help="only: this kernel against one built from this .cpp (A/B, bitwise)"
+        "--vs-source",
+        type=Path,
+        help="only: this kernel against one built from this .cpp and the headers beside it (A/B, bitwise)",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import megatrain_lightning
 
 CORE = ("engine", "store", "optim", "serialization")
@@ -103,7 +105,26 @@ def test_no_import_cycles():
 
 
 def test_no_module_holds_more_than_one_person_can_read_at_once():
+    kernel = {path.name: path for path in (PACKAGE / "optim" / "csrc").iterdir()}
     long = {
-        name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES
+        name: n
+        for name, path in {**_modules(), **kernel}.items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_every_file_the_package_reads_is_package_data():
+    """An editable install reads files from the checkout; a wheel holds only what ``package-data`` names
+    (globbed as setuptools globs them: ``**`` is any number of folders)."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(PACKAGE.parent / "pyproject.toml", "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["megatrain_lightning"]
+    packaged = {path for pattern in patterns for path in PACKAGE.glob(pattern)}
+    read = [
+        *(PACKAGE / "optim" / "csrc").iterdir(),
+        *(PACKAGE / "data").iterdir(),
+        *(PACKAGE / "configs").rglob("*.yaml"),
+    ]
+    left_out = [str(path.relative_to(PACKAGE)) for path in read if path not in packaged]
+    assert not left_out, f"not in package-data: {left_out}"

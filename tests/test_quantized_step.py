@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -585,6 +586,27 @@ def test_failed_build_falls_back(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(K, "_compiler", lambda: None)
     assert K.load_kernel() is None and "compiler" in (K._kernel_error or "")
+
+
+def test_an_edited_header_rebuilds_the_kernel(monkeypatch, tmp_path) -> None:
+    """The kernel is one translation unit of several files: the cached build is keyed on all of them, so
+    an edit to any header builds anew instead of loading a library of the old source."""
+    source = tmp_path / "csrc"
+    shutil.copytree(K._SOURCE.parent, source)
+    compiles = tmp_path / "compiles"
+    compiler = tmp_path / "c++"  # a stand-in: says its version, and "compiles" by writing the -o file
+    compiler.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo 1 && exit 0\necho >> {compiles}\n'
+                        'while [ "$1" != -o ]; do shift; done; echo built > "$2"\n')  # fmt: skip
+    compiler.chmod(0o755)
+    monkeypatch.setattr(K, "_SOURCE", source / K._SOURCE.name)
+    monkeypatch.setenv("MEGATRAIN_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = K._build(str(compiler), [[]])
+    assert K._build(str(compiler), [[]]) == first  # unchanged: the cached build
+    with open(source / "common.h", "a") as f:
+        f.write("// an edit\n")
+    edited = K._build(str(compiler), [[]])
+    assert edited != first and edited.exists()
+    assert len(compiles.read_text().splitlines()) == 2
 
 
 def test_a_cache_folder_others_may_write_is_not_used(monkeypatch, tmp_path) -> None:

@@ -3,15 +3,15 @@
 It also rounds weights to bf16 for the host tier's shadow (:mod:`.bf16`): inside the quantized step, and
 on its own after torch's Adam for fp32 moments.
 
-``csrc/quantized_adamw.cpp`` is compiled with the system C++ compiler (no torch headers, no ninja)
-into a per-user cache: ``$MEGATRAIN_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/megatrain_lightning/kernels``,
-else ``~/.cache/megatrain_lightning/kernels``, else (when none of those can be created) a folder of
-the user's own under the temp dir. A cache folder or library is used only when it belongs to the
-current user and nobody else may write to it: a library someone else could replace would run their
-code in this process. :func:`prepare` builds it at ``setup``, on the main thread and with a log line
-while the compiler runs, so no training step waits for a compiler. When no compiler is found or the
-build fails, the pure-torch fallback in :mod:`.quantized` runs (identical results, slower) and one
-warning says why.
+``csrc/quantized_adamw.cpp`` (with the headers beside it: one translation unit) is compiled with the
+system C++ compiler (no torch headers, no ninja) into a per-user cache: ``$MEGATRAIN_KERNEL_CACHE``, else
+``$XDG_CACHE_HOME/megatrain_lightning/kernels``, else ``~/.cache/megatrain_lightning/kernels``, else
+(when none of those can be created) a folder of the user's own under the temp dir. A cache folder or
+library is used only when it belongs to the current user and nobody else may write to it: a library
+someone else could replace would run their code in this process. :func:`prepare` builds it at ``setup``,
+on the main thread and with a log line while the compiler runs, so no training step waits for a compiler.
+When no compiler is found or the build fails, the pure-torch fallback in :mod:`.quantized` runs
+(identical results, slower) and one warning says why.
 """
 
 from __future__ import annotations
@@ -148,8 +148,14 @@ def _writable_cache() -> Path:
     raise RuntimeError(f"no usable folder for the compiled kernel; tried {'; '.join(tried)}")
 
 
+def _source_bytes() -> bytes:
+    """The kernel's source as the cache key sees it: the ``.cpp`` and every header beside it, by name."""
+    files = [_SOURCE, *sorted(_SOURCE.parent.glob("*.h"))]
+    return b"\0".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
+
+
 def _build(compiler: str, archs: list[list[str]] = _ARCH_FLAGS) -> Path:
-    source = _SOURCE.read_bytes()
+    source = _source_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     errors = []
     for arch in archs:
