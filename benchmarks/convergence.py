@@ -40,6 +40,7 @@ import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +103,10 @@ class StateAdamW:
     CPU over fp32 masters: with the model on a GPU, gradients come to the host and updated weights go back
     (on the CPU the masters are the parameters themselves: no copies). ``only`` ("m" or "v"): every
     tensor steps on fp32 moments, and then that moment of the large decoder-layer tensors makes a round
-    trip through the format's codec (its rounding): which moment a format's change comes from."""
+    trip through the format's codec (its rounding): which moment a format's change comes from.
+    ``rounding_seed`` picks another stream of stochastic rounding's random numbers (0: the optimizer's own,
+    keyed by the tensor's index): two runs that differ in it alone show how far the rounding's draws
+    carry a run."""
 
     def __init__(
         self,
@@ -111,9 +115,11 @@ class StateAdamW:
         stochastic: tuple[str, ...] | None,
         fused: bool = True,
         only: str | None = None,
+        rounding_seed: int = 0,
     ) -> None:
         self.params = [(n, p, p.detach().cpu()) for n, p in model.named_parameters() if p.requires_grad]
         self.bits, self.stochastic, self.fused, self.only = bits, stochastic, fused, only
+        self.seed_base = rounding_seed << 16  # above every tensor index
         self.state: dict[str, tuple] = {}
         self.round_trip: list[str] = []
         for name, _, master in self.params:
@@ -162,7 +168,7 @@ class StateAdamW:
                 *state,
                 bits=self.bits,
                 stochastic=self.stochastic,
-                seed=index,
+                seed=self.seed_base + index,
                 step=self.step_count,
                 lr=lr,
                 beta1=BETAS[0],
@@ -173,7 +179,7 @@ class StateAdamW:
         for index, name in enumerate(self.round_trip):
             kind, which = self.only, "mv".index(self.only)
             moment = self.state[name][which]
-            key = rounding.rounding_keys(index, self.step_count)[which]
+            key = rounding.rounding_keys(self.seed_base + index, self.step_count)[which]
             sr = kind in codecs.FORMATS[self.bits].stochastic
             codes, scales = codecs.quantize(moment, kind, self.bits, key if sr else None)
             moment.copy_(codecs.dequantize(codes, scales, kind, self.bits, moment.numel()).view_as(moment))
@@ -220,19 +226,32 @@ ONE_MOMENT = {"m-only": "m", "v-only": "v"}  # the other moment fp32 (StateAdamW
 NOISE_FLOOR = "none:foreach"
 
 
-def parse_mode(mode: str) -> tuple[str, tuple[str, ...] | None, str | None]:
+class Mode(NamedTuple):
+    compression: str
+    stochastic: tuple[str, ...] | None  # the moments rounded stochastically (None: the format's)
+    only: str | None  # the one moment compressed (None: both)
+    rounding_seed: int  # StateAdamW's
+
+
+def parse_mode(mode: str) -> Mode:
     """``"int4"`` (the format's rounding) or ``"int4:nearest"`` / ``":sr-v"`` / ``":sr-m"`` / ``":sr-mv"``;
-    ``"int4:m-only"`` / ``":v-only"`` (one moment compressed); or ``NOISE_FLOOR``. Returns the compression,
-    the moments rounded stochastically (None: the format's) and the one moment compressed (None: both)."""
+    ``"int4:m-only"`` / ``":v-only"`` (one moment compressed); any of them with ``"/r1"`` (``/rN``): the
+    rounding's random numbers from stream N; or ``NOISE_FLOOR``."""
     if mode == NOISE_FLOOR:
-        return "none", None, None
-    name, _, variant = mode.partition(":")
-    if name not in COMPRESSIONS or (variant and variant not in ROUNDINGS and variant not in ONE_MOMENT):
+        return Mode("none", None, None, 0)
+    spec, _, stream = mode.partition("/r")
+    name, _, variant = spec.partition(":")
+    if (
+        name not in COMPRESSIONS
+        or (variant and variant not in ROUNDINGS and variant not in ONE_MOMENT)
+        or (stream and (not stream.isdigit() or name == "none"))
+    ):
         raise SystemExit(
             f"mode {mode!r}: a compression of {tuple(COMPRESSIONS)}, optionally "
-            f":{'|'.join([*ROUNDINGS, *ONE_MOMENT])}; or {NOISE_FLOOR}"
+            f":{'|'.join([*ROUNDINGS, *ONE_MOMENT])} and then (compressed state) /rN, another stream of "
+            f"random numbers for stochastic rounding; or {NOISE_FLOOR}"
         )
-    return name, ROUNDINGS.get(variant), ONE_MOMENT.get(variant)
+    return Mode(name, ROUNDINGS.get(variant), ONE_MOMENT.get(variant), int(stream or 0))
 
 
 def train(
@@ -240,8 +259,8 @@ def train(
 ) -> dict:
     model = make_model(args.hidden, args.layers, seed).to(args.device)
     val = [b.to(args.device) for b in val]
-    name, stochastic, only = parse_mode(mode)
-    opt = StateAdamW(model, COMPRESSIONS[name], stochastic, fused=mode != NOISE_FLOOR, only=only)
+    name, stochastic, only, rounding_seed = parse_mode(mode)
+    opt = StateAdamW(model, COMPRESSIONS[name], stochastic, mode != NOISE_FLOOR, only, rounding_seed)
     data = batches(train_tokens, args.batch, args.seq + 1, seed=seed)
     curve, train_losses = [], []
     start = time.perf_counter()
@@ -328,7 +347,7 @@ def report(results: list[dict], modes: list[str]) -> list[str]:
             changes = [
                 (by[(m, s)] / by[("none", s)] - 1) * 100 for s in seeds if (m, s) in by and ("none", s) in by
             ]
-            goal = GOALS.get(parse_mode(m)[0])
+            goal = GOALS.get(parse_mode(m).compression)
             if not changes:
                 cells.append("not run")
                 continue
@@ -403,7 +422,8 @@ def main() -> None:
         nargs="+",
         default=["none", "int8", "int4", "int3", "int2"],
         help="compressions, optionally with a rounding: int4:nearest, int4:sr-v, int4:sr-m, int4:sr-mv, or "
-        "one moment compressed: int4:m-only, int4:v-only; none:foreach (the noise floor)",
+        "one moment compressed: int4:m-only, int4:v-only; then optionally /rN: stochastic rounding's random "
+        "numbers from stream N (int4/r1); none:foreach (the noise floor)",
     )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)

@@ -51,9 +51,30 @@ def test_compressed_tensors_take_adamws_first_step(mode):
     """From zero state the first update uses the exact new moments (the codes only store them), so every
     tensor, compressed or not, moves as AdamW moves it: a step count off by one scales it by 0.74."""
     model, twin = _model_and_twin()
-    compression, stochastic, only = convergence.parse_mode(mode)
+    compression, stochastic, only, _ = convergence.parse_mode(mode)
     ours = convergence.StateAdamW(model, convergence.COMPRESSIONS[compression], stochastic, only=only)
     assert ours.round_trip if only else any(len(state) == 4 for state in ours.state.values())
     _step_both(model, twin, ours, _torch_adamw(twin), steps=1)
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_another_rounding_stream_changes_only_the_draws():
+    """``int4/r1`` rounds with other random numbers: the same first step (no rounding has acted yet), then
+    another trajectory; ``int4/r0`` is ``int4``."""
+    assert convergence.parse_mode("int4:sr-v/r2") == ("int4", ("v",), None, 2)
+    assert convergence.parse_mode("int4/r0") == convergence.parse_mode("int4")
+    for bad in ("none/r1", "int4/rx", "int4/"):
+        with pytest.raises(SystemExit, match="mode"):
+            convergence.parse_mode(bad)
+    runs = {}
+    for stream in (0, 1):
+        model, twin = _model_and_twin()
+        ours = convergence.StateAdamW(model, 4, None, rounding_seed=stream)
+        torch.manual_seed(0)
+        _step_both(model, twin, ours, _torch_adamw(twin), steps=1)
+        first = [p.detach().clone() for p in model.parameters()]
+        _step_both(model, twin, ours, _torch_adamw(twin), steps=1)
+        runs[stream] = first, [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
