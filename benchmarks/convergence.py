@@ -227,6 +227,8 @@ NOISE_FLOOR = "none:foreach"
 
 
 class Mode(NamedTuple):
+    """A ``--modes`` entry: what ``StateAdamW`` is given."""
+
     compression: str
     stochastic: tuple[str, ...] | None  # the moments rounded stochastically (None: the format's)
     only: str | None  # the one moment compressed (None: both)
