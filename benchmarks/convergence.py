@@ -261,8 +261,9 @@ def train(
 ) -> dict:
     model = make_model(args.hidden, args.layers, seed).to(args.device)
     val = [b.to(args.device) for b in val]
-    name, stochastic, only, rounding_seed = parse_mode(mode)
-    opt = StateAdamW(model, COMPRESSIONS[name], stochastic, mode != NOISE_FLOOR, only, rounding_seed)
+    spec = parse_mode(mode)
+    opt = StateAdamW(model, COMPRESSIONS[spec.compression], spec.stochastic, fused=mode != NOISE_FLOOR,
+                     only=spec.only, rounding_seed=spec.rounding_seed)  # fmt: skip
     data = batches(train_tokens, args.batch, args.seq + 1, seed=seed)
     curve, train_losses = [], []
     start = time.perf_counter()
