@@ -395,8 +395,11 @@ def plot(results: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     lrs = sorted({r["lr"] for r in results})
-    # one colour per mode in every panel, one line style per seed
-    colors = {mode: f"C{i}" for i, mode in enumerate(dict.fromkeys(r["mode"] for r in results))}
+    # one colour per mode in every panel (the default cycle's 10, else tab20's), one line style per seed
+    modes = list(dict.fromkeys(r["mode"] for r in results))
+    colors = {
+        mode: f"C{i}" if len(modes) <= 10 else plt.get_cmap("tab20")(i % 20) for i, mode in enumerate(modes)
+    }
     first_seed = min(r["seed"] for r in results)
     fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 4), squeeze=False)
     for ax, lr in zip(axes[0], lrs, strict=True):
