@@ -3,6 +3,7 @@ the user's `block_classes`."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ from conftest import assert_same_training, user_fit
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn import functional as F
-from zoo import tiny_zoo_model
+from zoo import tiny_zoo_config, tiny_zoo_model
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.blocks import discover_blocks
@@ -66,6 +67,32 @@ class PlainLM(nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
+        logits = self.head(self.norm(x))
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+class HandingOverLayer(Layer):
+    """Leaves its normalized input on ``handed`` (an object, not a tensor argument), and adds what is there
+    to its output: the next layer computes with the previous one's tensor, as layers that read keys and
+    values another layer computed through the cache do."""
+
+    def forward(self, x: torch.Tensor, handed: SimpleNamespace) -> torch.Tensor:
+        h = self.norm(x)
+        out = x + sum(expert(h) for expert in self.experts) / 2 + getattr(handed, "h", 0)
+        handed.h = h
+        return out
+
+
+class HandingOverLM(PlainLM):
+    def __init__(self, vocab: int = 256, dim: int = 32, num_layers: int = 3) -> None:
+        super().__init__(vocab, dim, num_layers)
+        self.layers = nn.ModuleList(HandingOverLayer(dim) for _ in range(num_layers))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        x, handed = self.embed(input_ids), SimpleNamespace()
+        for layer in self.layers:
+            x = layer(x, handed)
         logits = self.head(self.norm(x))
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return SimpleNamespace(loss=loss, logits=logits)
@@ -135,6 +162,44 @@ def test_a_parameter_owner_inside_another_is_paged_by_the_outer_call():
     embed_block = discover_blocks(PlainLM())[0]
     assert [site.name for site in embed_block.sites] == ["embed"]
     assert {p.name for p in embed_block.params} == {"embed.weight", "embed.norm.weight", "embed.norm.bias"}
+
+
+HANDED_OVER = "computes with a tensor that another block made and that is not one of its arguments"
+
+
+def _handing_over_models() -> list:
+    """Plain PyTorch, and Hugging Face models whose layers read keys and values another layer computed:
+    Gemma 3n's last layers (``num_kv_shared_layers``) and, where transformers has it, Kolibri 1.1."""
+    from transformers import CONFIG_MAPPING
+
+    gemma3n = tiny_zoo_config("gemma3n_text")
+    gemma3n.num_kv_shared_layers = 1
+    models = [pytest.param(HandingOverLM, id="plain"), pytest.param(gemma3n, id="gemma3n_text")]
+    if "kolibri1_1" in CONFIG_MAPPING:
+        models.append(pytest.param("kolibri1_1", id="kolibri1_1"))
+    return models
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+@pytest.mark.parametrize("model", _handing_over_models())
+def test_a_block_computing_with_another_blocks_tensor_is_refused_clearly(model, checkpointed):
+    """Its gradient would be lost (backward routes block arguments and outputs only): refused on the first
+    step, before any update. Under plain PyTorch the same model trains."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    if model is HandingOverLM:
+        model = HandingOverLM()
+    elif isinstance(model, str):
+        model = tiny_zoo_model(model)
+    else:
+        model = AutoModelForCausalLM.from_config(model)
+    weights = copy.deepcopy(model.state_dict())
+    strategy = MegaTrainStrategy(activation_checkpointing=checkpointed)
+    with pytest.raises(MisconfigurationException, match=HANDED_OVER):
+        user_fit(model, strategy, steps=1)
+    assert all(torch.equal(t, weights[k]) for k, t in model.state_dict().items())
+    assert len(user_fit(model, "auto", steps=2).losses) == 2
 
 
 @pytest.mark.parametrize("arch", ["hrm_text", "zaya"])

@@ -136,6 +136,7 @@ ZOO_OVERRIDES: dict[str, dict[str, Any]] = {
         n_output_layers=1,
     ),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
+    "ergo": dict(first_dense_intermediate_size=2 * HIDDEN, shared_intermediate_size=HIDDEN),
     "dots3_note_text": dict(head_dim=HEAD_DIM, per_layer_config={}),
     "falcon_h1": dict(mamba_d_ssm=2 * HIDDEN, mamba_n_heads=8, mamba_d_head=16),
     "gemma3n_text": dict(
@@ -158,6 +159,21 @@ ZOO_OVERRIDES: dict[str, dict[str, Any]] = {
     "inkling2_text": dict(_INKLING, unpadded_vocab_size=VOCAB),
     "inkling2_loop_text": dict(_INKLING, unpadded_vocab_size=VOCAB),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    # ``kv_source_layers`` names, per layer, the layer whose keys and values it reads: the layers are laid
+    # out here, as the default's (an indexed layer that is no indexer reads an indexer's)
+    "kolibri1_1": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "indexed_attention"] * 2,
+        index_layers=[1],
+        kv_source_layers=[0, 1, 2, 1],
+        mlp_only_layers=[0],
+        mlp_only_intermediate_size=2 * HIDDEN,
+        index_num_heads=2,
+        index_pool_size=SEQ_LEN,
+        index_compression=4,
+        index_num_local_tokens=4,
+        index_num_sink_tokens=2,
+    ),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "longcat_flash": dict(expert_ffn_hidden_size=HIDDEN // 2, zero_expert_num=2, n_routed_experts=4),
     "minimax_m3_vl_text": dict(
@@ -254,6 +270,8 @@ EXCLUDED: dict[str, str] = {
         "the module holding the layers owns parameters itself (HRM's `z_L_init`, ZAYA's input scale): "
         "megatrain refuses it with a clear error naming `block_classes` (tests/test_blocks.py)",
     ),
+    "kolibri1_1": "its layers read keys and values that another layer computed (`kv_source_layers`): "
+    "megatrain refuses it with a clear error (tests/test_blocks.py)",
     "blt": "Byte Latent Transformer: entropy patcher plus local encoder/decoder and global sub-models (four sub-configs)",
     "musicgen": "audio-codebook decoder: takes (batch x codebooks) token ids and a text-encoder config",
     "musicgen_melody": "audio-codebook decoder: takes (batch x codebooks) token ids and a text-encoder config",

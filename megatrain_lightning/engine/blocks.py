@@ -39,6 +39,7 @@ class CallSite:
     name: str
     block: Block
     bindings: list[Binding]
+    graph_checked: bool = False  # a call's graph was searched once for other blocks' tensors (paged_call)
 
     @property
     def param_indices(self) -> list[int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -81,6 +82,45 @@ def _detached(tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
     return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
 
 
+def reaches_another_block(outputs: list[Tensor], own: list[Tensor]) -> bool:
+    """Whether the graph of a call's ``outputs`` reaches a tensor that requires grad other than the call's
+    inputs and weights (``own``): one that another block made and handed over outside the call's
+    arguments, e.g. keys and values that a layer reads from another layer through the cache. Backward
+    asks autograd for the gradients of ``own`` only, so that tensor's gradient would be lost."""
+    allowed = {id(t) for t in own}
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf that requires grad
+        if leaf is not None:
+            if id(leaf) not in allowed:
+                return True
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+def check_graph(site: CallSite, outputs: list[Tensor], own: list[Tensor]) -> None:
+    """Refuse a block that computes with another block's tensors (``reaches_another_block``), on the first
+    call that builds a graph: its gradients would be wrong, not slow."""
+    if site.graph_checked or not any(o.grad_fn is not None for o in outputs):
+        return
+    site.graph_checked = True
+    if reaches_another_block(outputs, own):
+        raise MisconfigurationException(
+            f"megatrain: the block `{site.name}` computes with a tensor that another block made and that is "
+            "not one of its arguments (e.g. keys and values shared across layers through the cache: "
+            "`kv_source_layers`, `num_kv_shared_layers`). megatrain pages one block at a time and routes "
+            "gradients through block arguments and outputs only, so that tensor's gradient would be "
+            "lost. Train such a model with a config that shares no tensors across layers, or "
+            "without megatrain."
+        )
+
+
 @dataclass(frozen=True)
 class _SlotRef:
     """A saved tensor that was a view of the block's slot: rebuilt from whichever slot holds it later."""
@@ -101,12 +141,13 @@ class PagedCall(torch.autograd.Function):
         if engine.config.activation_checkpointing:
             ctx.forward_state = ForwardState.capture(engine.config.device)
             with (
-                engine.resident(site, backward=False, grad=True) as (slot, _),
+                engine.resident(site, backward=False, grad=True) as (slot, leaves),
                 torch.enable_grad(),
                 discarding_saved_tensors(),
                 TIMELINE.span("compute"),
             ):
-                outputs = off_slot(call.run(_detached(tensors)), slot)
+                inputs = _detached(tensors)
+                outputs = off_slot(call.run(inputs), slot)
             ctx.save_for_backward(*tensors)
         else:
             with engine.resident(site, backward=False, grad=True) as (slot, leaves):
@@ -136,6 +177,7 @@ class PagedCall(torch.autograd.Function):
                 ):
                     outputs = off_slot(call.run(inputs), slot)
             ctx.graph = (outputs, inputs, leaves)
+        check_graph(site, outputs, inputs + list(leaves.values()))
         returned = tuple(o.detach() for o in outputs)
         ctx.mark_non_differentiable(*[o for o in returned if not o.is_floating_point()])
         ctx.set_materialize_grads(False)
