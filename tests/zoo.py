@@ -136,8 +136,8 @@ ZOO_OVERRIDES: dict[str, dict[str, Any]] = {
         n_output_layers=1,
     ),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
-    "ergo": dict(first_dense_intermediate_size=2 * HIDDEN, shared_intermediate_size=HIDDEN),
     "dots3_note_text": dict(head_dim=HEAD_DIM, per_layer_config={}),
+    "ergo": dict(first_dense_intermediate_size=2 * HIDDEN, shared_intermediate_size=HIDDEN),
     "falcon_h1": dict(mamba_d_ssm=2 * HIDDEN, mamba_n_heads=8, mamba_d_head=16),
     "gemma3n_text": dict(
         vocab_size_per_layer_input=VOCAB,
