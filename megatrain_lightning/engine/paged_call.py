@@ -104,13 +104,15 @@ def reaches_another_block(outputs: list[Tensor], own: list[Tensor]) -> bool:
     return False
 
 
-def check_graph(site: CallSite, outputs: list[Tensor], own: list[Tensor]) -> None:
+def check_graph(
+    site: CallSite, outputs: list[Tensor], inputs: list[Tensor], leaves: dict[int, Tensor]
+) -> None:
     """Refuse a block that computes with another block's tensors (``reaches_another_block``), on the first
     call that builds a graph: its gradients would be wrong, not slow."""
     if site.graph_checked or not any(o.grad_fn is not None for o in outputs):
         return
     site.graph_checked = True
-    if reaches_another_block(outputs, own):
+    if reaches_another_block(outputs, inputs + list(leaves.values())):
         raise MisconfigurationException(
             f"megatrain: the block `{site.name}` computes with a tensor that another block made and that is "
             "not one of its arguments (e.g. keys and values shared across layers through the cache: "
@@ -177,7 +179,7 @@ class PagedCall(torch.autograd.Function):
                 ):
                     outputs = off_slot(call.run(inputs), slot)
             ctx.graph = (outputs, inputs, leaves)
-        check_graph(site, outputs, inputs + list(leaves.values()))
+        check_graph(site, outputs, inputs, leaves)
         returned = tuple(o.detach() for o in outputs)
         ctx.mark_non_differentiable(*[o for o in returned if not o.is_floating_point()])
         ctx.set_materialize_grads(False)
