@@ -189,8 +189,11 @@ class RankedStrategy(ParallelStrategy):
             backend = backend_for(self.root_device, self._process_group_backend)
             self._process_group_backend = backend
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-            if "nccl" in backend:  # Lightning destroys the group at exit for a plain "nccl" only
-                atexit.register(_destroy_dist_connection)
+            # Lightning destroys the group at exit for a plain "nccl" only. Left to the interpreter's
+            # finalization, gloo's worker threads abort a rank now and then after its work is done
+            # ("terminate called without an active exception", pytorch/pytorch#190489): once for every group.
+            atexit.unregister(_destroy_dist_connection)
+            atexit.register(_destroy_dist_connection)
 
     @override
     def reduce(
