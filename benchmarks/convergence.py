@@ -339,12 +339,21 @@ def spread(finals: list[float], single: str) -> str:
     )
 
 
+def mean_over_seeds(changes: list[float]) -> str:
+    """`` (mean +x.xx%)`` of two seeds' changes; from three seeds on with its standard error (two say
+    little of their spread)."""
+    if len(changes) < 2:
+        return ""
+    error = f" ± {statistics.stdev(changes) / len(changes) ** 0.5:.2f}%" if len(changes) > 2 else ""
+    return f" (mean {statistics.mean(changes):+.2f}%{error})"
+
+
 def report(results: list[dict], modes: list[str]) -> list[str]:
     """The change of each mode's final validation loss against fp32 state's of the same seed, and its mean
-    over the seeds. Verdicts apply the issue's bounds to the worst seed: "ok" within them, "lower" beyond
-    them only below fp32 state's loss, "NOT met" above. Beside fp32's seed spread, the spread of every
-    fp32-state run (both seeds, fused and ``NOISE_FLOOR``): the noise a quantized run's change is read
-    against."""
+    over the seeds (from three seeds on with its standard error). Verdicts apply the issue's bounds to the
+    worst seed: "ok" within them, "lower" beyond them only below fp32 state's loss, "NOT met" above. Beside
+    fp32's seed spread, the spread of every fp32-state run (every seed, fused and ``NOISE_FLOOR``): the
+    noise a quantized run's change is read against."""
     columns = "| lr | fp32 final val loss (seeds) | fp32 seed spread | fp32-state runs' spread (n) | "
     lines = [columns + " | ".join(
         f"{m} change (per seed)" for m in modes if m != "none") + " |"]  # fmt: skip
@@ -373,8 +382,7 @@ def report(results: list[dict], modes: list[str]) -> list[str]:
             verdict = "" if goal is None else " (ok)" if max(map(abs, changes)) <= goal else " (lower)"
             if goal is not None and max(changes) > goal:
                 verdict = " (NOT met)"
-            mean = f" (mean {statistics.mean(changes):+.2f}%)" if len(changes) > 1 else ""
-            cells.append(" / ".join(f"{c:+.2f}%" for c in changes) + mean + verdict)
+            cells.append(" / ".join(f"{c:+.2f}%" for c in changes) + mean_over_seeds(changes) + verdict)
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -405,6 +413,17 @@ def held_out_report(results: list[dict], modes: list[str], curve_windows: int) -
     return lines if len(lines) > 2 else []
 
 
+def curve_label(run: dict, runs: list[dict]) -> str | None:
+    """Each curve's seed and final loss for one or two seeds; from three on one entry per mode, its mean
+    final loss over the seeds (a legend of every run would cover the panel)."""
+    finals = [r["final"] for r in runs if r["mode"] == run["mode"]]
+    if len(finals) <= 2:
+        return f"{run['mode']} s{run['seed']} ({run['final']:.3f})"
+    first = min(r["seed"] for r in runs if r["mode"] == run["mode"])
+    mean = statistics.mean(finals)
+    return f"{run['mode']} ({len(finals)} seeds, mean {mean:.3f})" if run["seed"] == first else None
+
+
 def plot(results: list[dict], path: str, title: str) -> None:
     import matplotlib
 
@@ -420,12 +439,11 @@ def plot(results: list[dict], path: str, title: str) -> None:
     first_seed = min(r["seed"] for r in results)
     fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 4), squeeze=False)
     for ax, lr in zip(axes[0], lrs, strict=True):
-        for r in results:
-            if r["lr"] == lr:
-                steps, losses = zip(*r["curve"], strict=True)
-                ax.plot(steps, losses, label=f"{r['mode']} s{r['seed']} ({r['final']:.3f})", linewidth=1,
-                        color=colors[r["mode"]],
-                        linestyle="-" if r["seed"] == first_seed else "--")  # fmt: skip
+        runs = [r for r in results if r["lr"] == lr]
+        for r in runs:
+            steps, losses = zip(*r["curve"], strict=True)
+            ax.plot(steps, losses, label=curve_label(r, runs), linewidth=1, color=colors[r["mode"]],
+                    linestyle="-" if r["seed"] == first_seed else "--")  # fmt: skip
         ax.set(xlabel="step", ylabel="validation loss", title=f"lr {lr:g}")
         ax.legend(fontsize=7)
     fig.suptitle(textwrap.fill(title, width=70 * len(lrs)), fontsize=9)  # about 70 characters fit a panel
