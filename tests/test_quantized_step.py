@@ -20,6 +20,7 @@ from megatrain_lightning.optim import kernel as K
 from megatrain_lightning.optim import quantized as Q
 
 BITS = list(C.FORMATS)  # int8, int4, int3, int2
+ROUNDINGS = [(), ("m",), ("v",), ("m", "v")]  # the moments rounded stochastically
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 MODES = [
     dict(decoupled_weight_decay=True, maximize=False),
@@ -135,7 +136,7 @@ def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernel
     B.to_bf16_(x, kernel_out, use_kernel=True)
     B.to_bf16_(x, fallback, use_kernel=False)
     assert torch.equal(kernel_out.view(torch.int16), fallback.view(torch.int16))
-    for rounding in roundings(bits):
+    for rounding in ROUNDINGS:
         sr = dict(stochastic=rounding, seed=2, offset=256 * 5)
         _assert_identical(_run(256 * 9 + 3, bits, 3, True, **sr), _run(256 * 9 + 3, bits, 3, False, **sr))
 
@@ -149,24 +150,12 @@ def test_threads_do_not_change_results(bits: int) -> None:
     _assert_identical(one, three)
 
 
-# -- stochastic rounding (of every moment but int8's E4M3 m) --
-
-ROUNDINGS = [(), ("m",), ("v",), ("m", "v")]
-
-
-def roundings(bits: int) -> list[tuple[str, ...]]:
-    """The roundings a format can use: int8's m rounds to nearest only."""
-    return [r for r in ROUNDINGS if bits != 8 or "m" not in r]
-
-
-def stochastic(bits: int) -> tuple[str, ...]:
-    """Every moment the format can round stochastically."""
-    return roundings(bits)[-1]
+# -- stochastic rounding --
 
 
 @pytest.mark.parametrize(
     "bits,rounding",
-    [(bits, r) for bits in BITS for r in roundings(bits)],
+    [(bits, r) for bits in BITS for r in ROUNDINGS],
     ids=lambda x: x if isinstance(x, int) else "sr_" + "".join(x) if x else "nearest",
 )
 @pytest.mark.parametrize("n", [1001, 256 * 40 + 77])
@@ -186,7 +175,7 @@ def _sliced_run(bits: int, cuts: list[int], use_kernel: bool, num_threads: int =
         for a, b in itertools.pairwise(cuts):
             where = C.state_slices(a, b, bits)
             Q.quantized_adamw_(p[a:b], grad[a:b], *(t[w] for t, w in zip(state, where, strict=True)),
-                               bits=bits, step=step, stochastic=stochastic(bits), seed=9, offset=a,
+                               bits=bits, step=step, stochastic=("m", "v"), seed=9, offset=a,
                                use_kernel=use_kernel, num_threads=num_threads, **HP)  # fmt: skip
     return (p, *state)
 
@@ -210,7 +199,7 @@ def test_stochastic_rounding_is_seeded(bits: int) -> None:
     """Seed, step and offset select the random numbers (other codes than nearest rounding's, than
     another seed's or another offset's); the same ones give the same result."""
     n = 256 * 8
-    sr = stochastic(bits)
+    sr = ("m", "v")
     runs = {
         name: _run(n, bits, 2, False, **kw)
         for name, kw in {
@@ -231,8 +220,6 @@ def test_stochastic_rounding_is_seeded(bits: int) -> None:
 def test_rejects_bad_rounding() -> None:
     n = 1000
     p, g = torch.zeros(n), torch.zeros(n)
-    with pytest.raises(ValueError, match="'v' only for int8"):
-        Q.quantized_adamw_(p, g, *C.empty_state(n, 8), bits=8, step=1, stochastic=("m",), **HP)
     with pytest.raises(ValueError, match="'m' and/or 'v'"):
         Q.quantized_adamw_(p, g, *C.empty_state(n, 4), bits=4, step=1, stochastic=("w",), **HP)
     with pytest.raises(ValueError, match="offset"):

@@ -104,11 +104,8 @@ class _Rounding:
 
 
 def _rounding(bits: int, stochastic: tuple[str, ...], seed: int, step: int, offset: int) -> _Rounding:
-    if not set(stochastic) <= {"m", "v"} or ("m" in stochastic and bits == 8):
-        raise ValueError(
-            f"stochastic must name moments 'm' and/or 'v' ('v' only for int8, whose m is E4M3); "
-            f"got {stochastic!r} with bits={bits}"
-        )
+    if not set(stochastic) <= {"m", "v"}:
+        raise ValueError(f"stochastic must name moments 'm' and/or 'v'; got {stochastic!r} with bits={bits}")
     if offset < 0:
         raise ValueError(f"offset must be >= 0; got {offset}")
     key_m, key_v = rounding.rounding_keys(seed, step) if stochastic else (0, 0)
@@ -186,7 +183,7 @@ def quantized_adamw_(
     and v are decoded before and re-encoded after the update.
 
     ``stochastic`` names the moments re-encoded with stochastic rounding (``None``: the format's
-    choice, ``FORMATS[bits].stochastic``; int8's m is never): element ``offset + i`` of the stream
+    choice, ``FORMATS[bits].stochastic``): element ``offset + i`` of the stream
     ``seed`` (e.g. a block, whose flat buffer starts at offset 0) draws ``rounding.uniforms`` keyed by
     ``rounding.rounding_keys(seed, step)``, so the result does not depend on how a block is cut into
     slices or threads. ``shadow``: a bf16 tensor of ``param``'s size that receives the updated weights

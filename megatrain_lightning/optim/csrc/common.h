@@ -170,7 +170,7 @@ inline void to_bf16(const float* __restrict src, uint16_t* __restrict dst, int n
 
 struct Hyper {
   float decay, wd, b1, omb1, b2, omb2, ibc2, eps, nstep;
-  // stochastic rounding of the table formats' m / v codes, keyed per (stream, step): see uniform()
+  // stochastic rounding of the m / v codes, keyed per (stream, step): see uniform()
   bool sr_m, sr_v;
   uint32_t key_m, key_v;
 };

@@ -72,6 +72,18 @@ inline float e4m3_decode(uint32_t c) {
   return (c & 128u) ? -val : val;
 }
 
+// E4M3 magnitude code of z in [0, ~1.875] rounded stochastically by u (rounding.round_to_neighbour): the
+// code below z (its mantissa truncated) or the next, the next with probability (z - lower) / (upper - lower).
+inline int32_t e4m3_code_sr(float z, float u) {
+  const int32_t normal = (int32_t)(fbits(z) >> 20) - 896;
+  const int32_t sub = (int32_t)(z * 131072.0f);  // exact product, truncated
+  int32_t low = z < M8_MIN_NORMAL ? sub : normal;
+  low = low < 127 ? low : 127;
+  const int32_t high = low < 127 ? low + 1 : 127;
+  const float lower = e4m3_decode((uint32_t)low), upper = e4m3_decode((uint32_t)high);
+  return (z - lower) > u * (upper - lower) ? high : low;
+}
+
 // One int8 chunk of 256 elements, all pointers local to the chunk (the portable path; the vector
 // passes of int8_vectors.h compute the same). ``valid`` < 256 only for a tail that was copied into zero-padded
 // buffers: the padding lanes are zeroed before the block maxima. ``base``: the stream index of element 0.
@@ -127,7 +139,7 @@ inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __re
   for (int i = 0; i < CHUNK; ++i) {
     uint32_t u = mab[i];
     float z = (bfloat(u & 0x7fffffffu) * pre) * inv;
-    int32_t code = e4m3_code(z);
+    int32_t code = h.sr_m ? e4m3_code_sr(z, uniform(base + i, h.key_m)) : e4m3_code(z);
     code |= ((u >> 31) & (code != 0)) << 7;
     mcu[i] = (uint8_t)code;
   }

@@ -202,13 +202,13 @@ void mq_tables(float* out) {
 }
 
 // hyper: decay, wd, beta1, 1-beta1, beta2, 1-beta2, 1/sqrt(bc2), eps, -lr/bc1 (all float32).
-// bits: the format (8, 4, 3 or 2). sr: bit 0 rounds m stochastically (not int8's), bit 1 v, with
+// bits: the format (8, 4, 3 or 2). sr: bit 0 rounds m stochastically, bit 1 v, with
 // the keys key_m / key_v; offset: the index of p[0] in the stream of random numbers. Returns 0 on
 // success, -1 for bad arguments. shadow (may be null): n bf16 values, each updated weight rounded to it.
 int mq_adamw_step(float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs, uint16_t* shadow,
                   int64_t n, int bits, const float* hyper, int maximize, int l2, int nthreads, int sr,
                   uint32_t key_m, uint32_t key_v, int64_t offset) {
-  if (n < 0 || (bits != 8 && bits != 4 && bits != 3 && bits != 2) || (bits == 8 && (sr & 1))) return -1;
+  if (n < 0 || (bits != 8 && bits != 4 && bits != 3 && bits != 2)) return -1;
   if (n == 0) return 0;
   Hyper h{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5],
           hyper[6], hyper[7], hyper[8], (sr & 1) != 0, (sr & 2) != 0, key_m, key_v};
