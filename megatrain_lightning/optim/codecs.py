@@ -31,23 +31,21 @@ which lifts every v below 1/256 of its block's max to that: with both moments st
 error is 0.147 with it and 0.079 with the 8-bit log map. The first moment is signed and well served by Li
 et al.'s map; smaller blocks cut its error further for 1/16 byte per parameter.
 
-Rounding is chosen by the update's *bias*, not by its RMS error alone (figures in RESULTS.md): rounded
-to nearest, a moment stays on its code while each step moves it by less than half a code, so a steady
-small gradient's update is damped (table formats 0.87x as far as fp32 AdamW, int2 0.57x) and a stopped
-gradient's v stands (10 steps of beta2 0.95 later: 2-bit v 1.85x fp32's, int8 1.20x). So int4 and int3
-round their 4-bit m stochastically, and int8 its E4M3 m (to nearest, an m whose gradients stay within 30-60%
-of it stays on its code, up to 6% off, step after step: one run of the benchmark ended 0.9%
-higher from int8's m alone, 0.1% lower with stochastic m); int2 rounds m to nearest (a small m drawn up
-to 1/2 of the block max kicks its weight by many steps' worth). Every format rounds v stochastically: int8
-and int4 unbiased in v,
-and 2-bit v (int3, int2) unbiased in ``v^(1/4)`` (to the upper neighbour with probability
-``(y^(1/4) - lower^(1/4)) / (upper^(1/4) - lower^(1/4))``). Why the fourth root: v is an average
-re-encoded every step, so what its rounding is unbiased in sets where v settles, and with codes 4x apart
-that is far from fp32's v. Unbiased in v, v settles where its mean is right but ``1 / sqrt(v)`` is high
-(Jensen): noisy gradients' updates overstep by 1.2-1.3x. Unbiased in ``log v``, v settles where the mean of
-``1 / v`` is right, so ``1 / sqrt(v)`` is low: the update is damped (gain 0.91 on real gradients, 0.94-0.98
-for a steady gradient between two codes). Unbiased in ``v^(1/4)``, the steady gradient's update is within
-0.4% of fp32's wherever it lies between the codes, and the real gradients' gain is 0.97.
+Rounding is chosen by the update's *bias*, not by its RMS error alone (figures in RESULTS.md): rounded to
+nearest, a moment stays on its code while each step moves it by less than half a code, so a steady small
+gradient's update is damped (table formats 0.87x as far as fp32 AdamW, int2 0.57x) and a stopped gradient's v
+stands (10 steps of beta2 0.95 later: 2-bit v 1.85x fp32's, int8 1.20x). So int4 and int3 round their 4-bit m
+stochastically, and int8 its E4M3 m (to nearest, an m whose gradients stay within 30-60% of it stays on its
+code, up to 6% off: one benchmark run: +0.9% from int8's m alone, -0.1% with stochastic m); int2 rounds m to
+nearest (a small m drawn up to 1/2 of the block max kicks its weight by many steps' worth). Every format
+rounds v stochastically: int8 and int4 unbiased in v, and 2-bit v (int3, int2) unbiased in ``v^(1/4)`` (to the
+upper neighbour with probability ``(y^(1/4) - lower^(1/4)) / (upper^(1/4) - lower^(1/4))``). Why the fourth
+root: v is an average re-encoded every step, so what its rounding is unbiased in sets where v settles, and
+with codes 4x apart that is far from fp32's v. Unbiased in v, v settles where its mean is right but
+``1 / sqrt(v)`` is high (Jensen): noisy gradients' updates overstep by 1.2-1.3x. Unbiased in ``log v``, v
+settles where the mean of ``1 / v`` is right, so ``1 / sqrt(v)`` is low: the update is damped (gain 0.91 on
+real gradients, 0.94-0.98 for a steady gradient between two codes). Unbiased in ``v^(1/4)``, the steady
+gradient's update is within 0.4% of fp32's wherever it lies between the codes (real gradients: gain 0.97).
 
 Codes are uint8 bytes holding 8 / width codes each, element ``k`` of byte ``j`` in bits
 ``[k * width, (k + 1) * width)`` (so for 4 bits element ``2j`` is the low nibble); a partial last byte
@@ -417,8 +415,7 @@ def error_bound(x: Tensor, kind: Kind, bits: int, stochastic: bool = False) -> T
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     slack = 1 + 2.0**-12
     if kind == "m" and bits == 8:  # half the gap of E4M3's values (stochastically: all of it)
-        gap = 2.0 if stochastic else 1.0
-        bound = gap * (2.0**-4 * blocks.abs() * slack + 2.0**-18 / M8_TOP * absmax) + _TINY
+        bound = (2.0**-4 * blocks.abs() * slack + 2.0**-18 / M8_TOP * absmax) * (1 + stochastic) + _TINY
     elif kind == "m":
         bound = (max_relative_error(kind, bits, stochastic) * slack) * absmax + _TINY + blocks * 0
     else:
@@ -430,7 +427,7 @@ def error_bound(x: Tensor, kind: Kind, bits: int, stochastic: bool = False) -> T
 
 def max_relative_error(kind: Kind, bits: int, stochastic: bool = False) -> float:
     """The worst error as a fraction of the block absmax (the constant in the bounds above); rounded
-    stochastically, a table format's error reaches the whole gap between neighbouring values."""
+    stochastically, the error reaches the whole gap between neighbouring values."""
     fmt = _check(kind, bits)
     if kind == "m":
         if bits == 8:

@@ -41,6 +41,18 @@ inline __m512i v8_code16(__m512 y, bool sr, int64_t index, uint32_t key) {
   return _mm512_mask_blend_epi32(up, nx, k);
 }
 
+// e4m3_code of 16 non-negative z (round half to even)
+inline __m512i e4m3_code16(__m512 z) {
+  const __m512i zb = _mm512_castps_si512(z);
+  const __m512i normal = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(zb, _mm512_set1_epi32(0x7FFFF - (896 << 20))),
+                       _mm512_and_si512(_mm512_srli_epi32(zb, 20), _mm512_set1_epi32(1))),
+      20);
+  const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(z, _mm512_set1_ps(64.0f))),
+                                       _mm512_set1_epi32((int)fbits(64.0f)));
+  const __mmask16 is_sub = _mm512_cmp_ps_mask(z, _mm512_set1_ps(M8_MIN_NORMAL), _CMP_LT_OQ);
+  return _mm512_min_epi32(_mm512_mask_blend_epi32(is_sub, normal, sub), _mm512_set1_epi32(127));
+}
 // e4m3_code_sr of 16 non-negative z: the truncated code, its value and the next one's read as an fp32
 // (sub)normal scaled by 2^112 (as pass 1 decodes), the next taken as ``round_to_neighbour`` does.
 inline __m512i e4m3_code_sr16(__m512 z, __m512 u) {
@@ -134,29 +146,16 @@ inline void pass2_avx512(Staged& st, const Hyper& h) {
   uint8_t* __restrict mc = st.mc;
   uint8_t* __restrict vc = st.vc;
   const __m512i sign_mask = _mm512_set1_epi32((int)0x80000000u);
-  const __m512i one = _mm512_set1_epi32(1);
   // first moment: encode
   const float A = st.A;
   const float pre = prescale(A);
   const float inv_s = A == 0.0f ? 0.0f : M8_TOP / (A * pre);
   st.ms[0] = A / M8_TOP;
   const __m512 vpre = _mm512_set1_ps(pre), inv = _mm512_set1_ps(inv_s);
-  const __m512i rbias = _mm512_set1_epi32(0x7FFFF - (896 << 20));
   for (int k = 0; k < CHUNK; k += 16) {
     __m512 x = _mm512_load_ps(mn + k);
     __m512 z = _mm512_mul_ps(_mm512_mul_ps(_mm512_abs_ps(x), vpre), inv);
-    __m512i code;
-    if (h.sr_m) {
-      code = e4m3_code_sr16(z, uniform16(st.base + k, h.key_m));
-    } else {
-      __m512i zb = _mm512_castps_si512(z);
-      __m512i normal = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_add_epi32(zb, rbias), _mm512_and_si512(_mm512_srli_epi32(zb, 20), one)), 20);
-      __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(z, _mm512_set1_ps(64.0f))),
-                                     _mm512_set1_epi32((int)fbits(64.0f)));
-      __mmask16 is_sub = _mm512_cmp_ps_mask(z, _mm512_set1_ps(M8_MIN_NORMAL), _CMP_LT_OQ);
-      code = _mm512_min_epi32(_mm512_mask_blend_epi32(is_sub, normal, sub), _mm512_set1_epi32(127));
-    }
+    __m512i code = h.sr_m ? e4m3_code_sr16(z, uniform16(st.base + k, h.key_m)) : e4m3_code16(z);
     __mmask16 setsign = _mm512_mask_test_epi32_mask(_mm512_test_epi32_mask(code, code),
                                                     _mm512_castps_si512(x), sign_mask);
     code = _mm512_mask_or_epi32(code, setsign, code, _mm512_set1_epi32(128));
@@ -221,6 +220,19 @@ inline __m256i v8_code8(__m256 y, bool sr, int64_t index, uint32_t key) {
                           _mm256_set1_epi32(V8_LAST));
 }
 
+// e4m3_code16 with 8 lanes
+inline __m256i e4m3_code8(__m256 z) {
+  const __m256i zb = _mm256_castps_si256(z);
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(zb, _mm256_set1_epi32(0x7FFFF - (896 << 20))),
+                       _mm256_and_si256(_mm256_srli_epi32(zb, 20), _mm256_set1_epi32(1))),
+      20);
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(z, _mm256_set1_ps(64.0f))),
+                                       _mm256_set1_epi32((int)fbits(64.0f)));
+  const __m256 is_sub = _mm256_cmp_ps(z, _mm256_set1_ps(M8_MIN_NORMAL), _CMP_LT_OQ);
+  const __m256i code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), is_sub));
+  return _mm256_min_epi32(code, _mm256_set1_epi32(127));
+}
 // e4m3_code_sr16 with 8 lanes
 inline __m256i e4m3_code_sr8(__m256 z, __m256 u) {
   const __m256i top = _mm256_set1_epi32(127);
@@ -299,29 +311,16 @@ inline void pass2_avx2(Staged& st, const Hyper& h) {
   const float* __restrict mn = st.mn;
   const float* __restrict vn = st.vn;
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-  const __m256i one = _mm256_set1_epi32(1), zeroi = _mm256_setzero_si256();
+  const __m256i zeroi = _mm256_setzero_si256();
   const float A = st.A;
   const float pre = prescale(A);
   const float inv_s = A == 0.0f ? 0.0f : M8_TOP / (A * pre);
   st.ms[0] = A / M8_TOP;
   const __m256 vpre = _mm256_set1_ps(pre), inv = _mm256_set1_ps(inv_s);
-  const __m256i rbias = _mm256_set1_epi32(0x7FFFF - (896 << 20));
   const auto m_code = [&](int k) {
     __m256 x = _mm256_load_ps(mn + k);
     __m256 z = _mm256_mul_ps(_mm256_mul_ps(_mm256_andnot_ps(sign, x), vpre), inv);
-    __m256i code;
-    if (h.sr_m) {
-      code = e4m3_code_sr8(z, uniform8(st.base + k, h.key_m));
-    } else {
-      __m256i zb = _mm256_castps_si256(z);
-      __m256i normal = _mm256_srli_epi32(
-          _mm256_add_epi32(_mm256_add_epi32(zb, rbias), _mm256_and_si256(_mm256_srli_epi32(zb, 20), one)), 20);
-      __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(z, _mm256_set1_ps(64.0f))),
-                                     _mm256_set1_epi32((int)fbits(64.0f)));
-      __m256 is_sub = _mm256_cmp_ps(z, _mm256_set1_ps(M8_MIN_NORMAL), _CMP_LT_OQ);
-      code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), is_sub));
-      code = _mm256_min_epi32(code, _mm256_set1_epi32(127));
-    }
+    const __m256i code = h.sr_m ? e4m3_code_sr8(z, uniform8(st.base + k, h.key_m)) : e4m3_code8(z);
     __m256i setsign = _mm256_and_si256(_mm256_srai_epi32(_mm256_castps_si256(x), 31),
                                        _mm256_cmpgt_epi32(code, zeroi));
     return _mm256_or_si256(code, _mm256_and_si256(setsign, _mm256_set1_epi32(128)));
