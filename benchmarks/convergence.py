@@ -498,11 +498,12 @@ def main() -> None:
         help="also evaluate the final model on the whole held-out split, window by window",
     )
     parser.add_argument("--json", default=str(Path(__file__).with_name("convergence.json")))
-    parser.add_argument("--out", default=str(Path(__file__).with_name("convergence.png")))
+    parser.add_argument("--out", help="the plot; by default the (first) JSON's name with .png")
     parser.add_argument(
         "--report", nargs="+", metavar="JSON", help="only merge these results: table and plot"
     )
     args = parser.parse_args()
+    args.out = args.out or str(Path(args.report[0] if args.report else args.json).with_suffix(".png"))
     if args.report:
         runs = [json.loads(Path(f).read_text()) for f in args.report]
         results = [r for run in runs for r in run["results"]]
