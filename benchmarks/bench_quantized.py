@@ -140,19 +140,28 @@ def report_main(times: dict[str, list[float]], numel: int) -> dict[str, float]:
     return summary
 
 
-def bench_sources(numel: int, rounds: int, other: Path) -> None:
-    """This checkout's kernel against one built from ``other`` (an earlier ``quantized_adamw.cpp``, with the
-    headers beside it: e.g. in ``git worktree add /tmp/before REV``): steps of each format alternated on the
-    same data; medians per element, their ratio, and whether the two left the same parameters and state
-    bit for bit."""
-    kernels, mine = {}, K._SOURCE
-    for name, source in (("this", mine), ("other", other)):
-        K._SOURCE, K._kernel, K._kernel_error = Path(source), None, None
-        kernels[name] = K.load_kernel()
+def bench_sources(
+    numel: int, rounds: int, other: Path | None, other_rounding: tuple[str, ...] | None
+) -> None:
+    """This checkout's kernel and roundings against another kernel, built from ``other`` (an earlier
+    ``quantized_adamw.cpp``, with the headers beside it: e.g. in ``git worktree add /tmp/before REV``),
+    and/or other roundings (``other_rounding``: the moments every format rounds stochastically, for an
+    older kernel that rejects today's or to price a rounding): steps of each format alternated on the same
+    data; medians per element, their ratio, and whether the two left the same parameters and state bit
+    for bit (never, where the roundings differ)."""
+    mine = K._SOURCE
+    kernels = {"this": K.load_kernel()}
+    if other is not None:
+        K._SOURCE, K._kernel, K._kernel_error = Path(other), None, None
+        kernels["other"] = K.load_kernel()
+        K._SOURCE = mine
+    else:
+        kernels["other"] = kernels["this"]
     print(f"\n{'step':<6} {'this ns/param':>14} {'other ns/param':>15} {'this / other':>13} {'bitwise':>8}")
     g = torch.Generator().manual_seed(0)
     param, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
     for name, bits in MODES.items():
+        roundings = {"this": None, "other": other_rounding}
         runs = {k: (param.clone(), codecs.empty_state(numel, bits)) for k in kernels}
         times: dict[str, list[float]] = {k: [] for k in kernels}
         for step in range(1, rounds + 2):
@@ -160,14 +169,16 @@ def bench_sources(numel: int, rounds: int, other: Path) -> None:
                 K._kernel = kernel
                 p, state = runs[k]
                 start = time.perf_counter()
-                Q.quantized_adamw_(p, grad, *state, bits=bits, step=step, use_kernel=True, **HP)
+                Q.quantized_adamw_(
+                    p, grad, *state, bits=bits, step=step, use_kernel=True, stochastic=roundings[k], **HP
+                )
                 if step > 1:  # the first pages the state in
                     times[k].append(time.perf_counter() - start)
         this, that = (statistics.median(times[k]) * 1e9 / numel for k in kernels)
         (p1, s1), (p2, s2) = runs.values()
         same = torch.equal(p1, p2) and all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
         print(f"{name:<6} {this:14.3f} {that:15.3f} {this / that:13.3f} {str(same):>8}")
-    K._SOURCE, K._kernel = mine, kernels["this"]
+    K._kernel = kernels["this"]
 
 
 # -- third-party optimizers --
@@ -262,10 +273,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=Path,
         help="only: this kernel against one built from this .cpp and the headers beside it (A/B, bitwise)",
     )
+    parser.add_argument(
+        "--vs-rounding",
+        nargs="*",
+        choices=("m", "v"),
+        help="only: the moments the other side rounds stochastically (every format; none if empty), "
+        "against this kernel's shipped roundings",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.vs_source is not None:
-        bench_sources(args.numel, args.rounds, args.vs_source)
+    if args.vs_source is not None or args.vs_rounding is not None:
+        vs_rounding = tuple(args.vs_rounding) if args.vs_rounding is not None else None
+        bench_sources(args.numel, args.rounds, args.vs_source, vs_rounding)
         return
     start = time.perf_counter()
     build = timed(K.load_kernel)

@@ -292,17 +292,15 @@ def encode_m_blocks(x: Tensor, bits: int, u: Tensor | None = None) -> tuple[Tens
         inv = torch.where(zero, torch.zeros_like(absmax), _f32(M8_TOP, x) / (absmax * pre))
         scales = absmax / M8_TOP
         z = a.mul_(pre[:, None]).mul_(inv[:, None])
-        if u is not None:  # the magnitude, between its neighbouring E4M3 values
-            code = rounding.round_to_neighbour(z, M8_TABLE[:128], u, ascending=True).to(torch.int32)
-        else:
-            zb = z.view(torch.int32)
-            code = (zb >> 20) & 1
-            code += zb
-            code += 0x7FFFF - (896 << 20)
-            code >>= 20
-            sub = (z + 64.0).view(torch.int32)
-            sub -= 0x42800000  # bits of 64.0: round(z * 2^17), half to even
-            code = torch.where(z < M8_MIN_NORMAL, sub, code).clamp_(max=127)
+        zb = z.view(torch.int32)
+        if u is None:  # to nearest, half to even
+            code = ((zb >> 20) & 1).add_(zb).add_(0x7FFFF - (896 << 20)) >> 20
+            sub = (z + 64.0).view(torch.int32) - 0x42800000  # bits of 64.0: round(z * 2^17), half to even
+        else:  # plus 20 random bits (a fraction of the gap), truncated: up with probability distance / gap
+            r = rounding.random_bits(u, 20)
+            code = ((zb + r) >> 20) - 896
+            sub = ((z.clamp(max=M8_MIN_NORMAL) * 2.0**37).to(torch.int32) + r) >> 20  # z * 2^17 codes
+        code = torch.where(z < M8_MIN_NORMAL, sub, code).clamp_(max=127)
         code = torch.where(torch.signbit(x) & (code != 0), code | 128, code)
         return code.to(torch.uint8), scales
     fmt = FORMATS[bits]

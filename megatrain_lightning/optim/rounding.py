@@ -38,6 +38,13 @@ def uniforms(start: int, n: int, key: int) -> Tensor:
     return (_mix32(index ^ key) >> 9).to(torch.float32).mul_(2.0**-23)
 
 
+def random_bits(u: Tensor, bits: int) -> Tensor:
+    """int32 top ``bits`` (at most 23) of the hashes behind :func:`uniforms` ``u``: ``u`` truncated to a
+    multiple of ``2^-bits``, times ``2^bits``. Added below a code's last kept bit, then truncated, they
+    round it up with probability (its distance from the code below) / gap, in steps of ``2^-bits``."""
+    return (u * 2.0**bits).to(torch.int32)
+
+
 def round_to_neighbour(
     y: Tensor, values: Tensor, u: Tensor, ascending: bool, root_octaves: float | None = None
 ) -> Tensor:

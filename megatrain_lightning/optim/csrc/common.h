@@ -186,6 +186,8 @@ inline uint32_t mix32(uint32_t x) {
 // The uniform number in [0, 1) (a multiple of 2^-23) of element ``index`` of a stream (rounding.uniforms):
 // a function of (key, index) only, so chunking and threads do not matter.
 inline float uniform(int64_t index, uint32_t key) { return (float)(mix32((uint32_t)index ^ key) >> 9) * 0x1p-23f; }
+// Its top 20 bits, ``uniform`` truncated to a multiple of 2^-20 and scaled by 2^20 (rounding.random_bits).
+inline uint32_t random_bits20(int64_t index, uint32_t key) { return mix32((uint32_t)index ^ key) >> 12; }
 
 // rounding.quarter_power_threshold for 2-octave codes: (1 + u * (2^(1/2) - 1))^4, in the fallback's fp32
 // operations (rounding.quarter_root_step(2.0) is QUARTER_ROOT_STEP).

@@ -72,16 +72,13 @@ inline float e4m3_decode(uint32_t c) {
   return (c & 128u) ? -val : val;
 }
 
-// E4M3 magnitude code of z in [0, ~1.875] rounded stochastically by u (rounding.round_to_neighbour): the
-// code below z (its mantissa truncated) or the next, the next with probability (z - lower) / (upper - lower).
-inline int32_t e4m3_code_sr(float z, float u) {
-  const int32_t normal = (int32_t)(fbits(z) >> 20) - 896;
-  const int32_t sub = (int32_t)(z * 131072.0f);  // exact product, truncated
-  int32_t low = z < M8_MIN_NORMAL ? sub : normal;
-  low = low < 127 ? low : 127;
-  const int32_t high = low < 127 ? low + 1 : 127;
-  const float lower = e4m3_decode((uint32_t)low), upper = e4m3_decode((uint32_t)high);
-  return (z - lower) > u * (upper - lower) ? high : low;
+// E4M3 magnitude code of z in [0, 1.875] rounded stochastically (rounding.random_bits): z's bits (a subnormal's
+// multiple of 2^-20 of its step) plus ``r``, 20 random bits, truncated to the code, i.e. the code below z or
+// the next, the next with probability (z - lower) / (upper - lower) in steps of 2^-20.
+inline int32_t e4m3_code_sr(float z, uint32_t r) {
+  const int32_t code = z < M8_MIN_NORMAL ? (int32_t)(((uint32_t)(z * 0x1p37f) + r) >> 20)
+                                         : (int32_t)((fbits(z) + r) >> 20) - 896;
+  return code < 127 ? code : 127;
 }
 
 // One int8 chunk of 256 elements, all pointers local to the chunk (the portable path; the vector
@@ -139,7 +136,7 @@ inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __re
   for (int i = 0; i < CHUNK; ++i) {
     uint32_t u = mab[i];
     float z = (bfloat(u & 0x7fffffffu) * pre) * inv;
-    int32_t code = h.sr_m ? e4m3_code_sr(z, uniform(base + i, h.key_m)) : e4m3_code(z);
+    int32_t code = h.sr_m ? e4m3_code_sr(z, random_bits20(base + i, h.key_m)) : e4m3_code(z);
     code |= ((u >> 31) & (code != 0)) << 7;
     mcu[i] = (uint8_t)code;
   }

@@ -53,21 +53,15 @@ inline __m512i e4m3_code16(__m512 z) {
   const __mmask16 is_sub = _mm512_cmp_ps_mask(z, _mm512_set1_ps(M8_MIN_NORMAL), _CMP_LT_OQ);
   return _mm512_min_epi32(_mm512_mask_blend_epi32(is_sub, normal, sub), _mm512_set1_epi32(127));
 }
-// e4m3_code_sr of 16 non-negative z: the truncated code, its value and the next one's read as an fp32
-// (sub)normal scaled by 2^112 (as pass 1 decodes), the next taken as ``round_to_neighbour`` does.
-inline __m512i e4m3_code_sr16(__m512 z, __m512 u) {
-  const __m512i top = _mm512_set1_epi32(127);
-  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(z), 20), _mm512_set1_epi32(896));
-  const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(z, _mm512_set1_ps(131072.0f)));
+// e4m3_code_sr of 16 non-negative z with random bits ``r`` (a subnormal lane's overflowing conversion is
+// not taken)
+inline __m512i e4m3_code_sr16(__m512 z, __m512i r) {
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(z), r), 20),
+                                          _mm512_set1_epi32(896));
+  const __m512i sub = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_mul_ps(z, _mm512_set1_ps(0x1p37f))), r), 20);
   const __mmask16 is_sub = _mm512_cmp_ps_mask(z, _mm512_set1_ps(M8_MIN_NORMAL), _CMP_LT_OQ);
-  const __m512i low = _mm512_min_epi32(_mm512_mask_blend_epi32(is_sub, normal, sub), top);
-  const __m512i high = _mm512_min_epi32(_mm512_add_epi32(low, _mm512_set1_epi32(1)), top);
-  const auto value = [](__m512i c) {
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(c, 20)), _mm512_set1_ps(0x1p112f));
-  };
-  const __m512 lower = value(low), upper = value(high);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(z, lower), _mm512_mul_ps(u, _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
-  return _mm512_mask_blend_epi32(up, low, high);
+  return _mm512_min_epi32(_mm512_mask_blend_epi32(is_sub, normal, sub), _mm512_set1_epi32(127));
 }
 
 // The chunk with AVX-512 intrinsics, in two passes (below), operation for operation on the values (bit-identical
@@ -155,7 +149,7 @@ inline void pass2_avx512(Staged& st, const Hyper& h) {
   for (int k = 0; k < CHUNK; k += 16) {
     __m512 x = _mm512_load_ps(mn + k);
     __m512 z = _mm512_mul_ps(_mm512_mul_ps(_mm512_abs_ps(x), vpre), inv);
-    __m512i code = h.sr_m ? e4m3_code_sr16(z, uniform16(st.base + k, h.key_m)) : e4m3_code16(z);
+    __m512i code = h.sr_m ? e4m3_code_sr16(z, _mm512_srli_epi32(hash16(st.base + k, h.key_m), 12)) : e4m3_code16(z);
     __mmask16 setsign = _mm512_mask_test_epi32_mask(_mm512_test_epi32_mask(code, code),
                                                     _mm512_castps_si512(x), sign_mask);
     code = _mm512_mask_or_epi32(code, setsign, code, _mm512_set1_epi32(128));
@@ -234,20 +228,14 @@ inline __m256i e4m3_code8(__m256 z) {
   return _mm256_min_epi32(code, _mm256_set1_epi32(127));
 }
 // e4m3_code_sr16 with 8 lanes
-inline __m256i e4m3_code_sr8(__m256 z, __m256 u) {
-  const __m256i top = _mm256_set1_epi32(127);
-  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(z), 20), _mm256_set1_epi32(896));
-  const __m256i sub = _mm256_cvttps_epi32(_mm256_mul_ps(z, _mm256_set1_ps(131072.0f)));
+inline __m256i e4m3_code_sr8(__m256 z, __m256i r) {
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(z), r), 20),
+                                          _mm256_set1_epi32(896));
+  const __m256i sub = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_mul_ps(z, _mm256_set1_ps(0x1p37f))), r), 20);
   const __m256 is_sub = _mm256_cmp_ps(z, _mm256_set1_ps(M8_MIN_NORMAL), _CMP_LT_OQ);
-  const __m256i low = _mm256_min_epi32(
-      _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), is_sub)), top);
-  const __m256i high = _mm256_min_epi32(_mm256_add_epi32(low, _mm256_set1_epi32(1)), top);
-  const auto value = [](__m256i c) {
-    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(c, 20)), _mm256_set1_ps(0x1p112f));
-  };
-  const __m256 lower = value(low), upper = value(high);
-  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(z, lower), _mm256_mul_ps(u, _mm256_sub_ps(upper, lower)), _CMP_GT_OQ);
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(low), _mm256_castsi256_ps(high), up));
+  const __m256i code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), is_sub));
+  return _mm256_min_epi32(code, _mm256_set1_epi32(127));
 }
 
 template <bool MAXIMIZE, bool L2, bool TAIL>
@@ -320,7 +308,7 @@ inline void pass2_avx2(Staged& st, const Hyper& h) {
   const auto m_code = [&](int k) {
     __m256 x = _mm256_load_ps(mn + k);
     __m256 z = _mm256_mul_ps(_mm256_mul_ps(_mm256_andnot_ps(sign, x), vpre), inv);
-    const __m256i code = h.sr_m ? e4m3_code_sr8(z, uniform8(st.base + k, h.key_m)) : e4m3_code8(z);
+    const __m256i code = h.sr_m ? e4m3_code_sr8(z, _mm256_srli_epi32(hash8(st.base + k, h.key_m), 12)) : e4m3_code8(z);
     __m256i setsign = _mm256_and_si256(_mm256_srai_epi32(_mm256_castps_si256(x), 31),
                                        _mm256_cmpgt_epi32(code, zeroi));
     return _mm256_or_si256(code, _mm256_and_si256(setsign, _mm256_set1_epi32(128)));

@@ -59,12 +59,15 @@ inline __m512i mix32x16(__m512i x) {
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x2c1b3c6d));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
+// ``mix32(index ^ key)`` of the 16 elements from ``index``: the random bits of ``uniform``.
+inline __m512i hash16(int64_t index, uint32_t key) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return mix32x16(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota),
+                                   _mm512_set1_epi32((int)key)));
+}
 // ``uniform`` of the 16 elements from ``index``.
 inline __m512 uniform16(int64_t index, uint32_t key) {
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i x = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota),
-                                     _mm512_set1_epi32((int)key));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(mix32x16(x), 9)), _mm512_set1_ps(0x1p-23f));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(hash16(index, key), 9)), _mm512_set1_ps(0x1p-23f));
 }
 #endif
 
@@ -101,16 +104,19 @@ inline __m256 lookup(const float* table, __m256i c) {
   else return lookup16(table, c);
 }
 
-// ``uniform`` of the 8 elements from ``index``.
-inline __m256 uniform8(int64_t index, uint32_t key) {
+// ``mix32(index ^ key)`` of the 8 elements from ``index``: the random bits of ``uniform``.
+inline __m256i hash8(int64_t index, uint32_t key) {
   __m256i x = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)index), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
                                _mm256_set1_epi32((int)key));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x2c1b3c6d));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 9)), _mm256_set1_ps(0x1p-23f));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+// ``uniform`` of the 8 elements from ``index``.
+inline __m256 uniform8(int64_t index, uint32_t key) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hash8(index, key), 9)), _mm256_set1_ps(0x1p-23f));
 }
 
 // How many of the table codes' values or thresholds (``pred``, e.g. _CMP_GE_OQ: y >= t) hold for y: one
