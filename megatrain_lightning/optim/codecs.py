@@ -36,12 +36,12 @@ nearest, a moment stays on its code while each step moves it by less than half a
 gradient's update is damped (table formats 0.87x as far as fp32 AdamW, int2 0.57x) and a stopped gradient's v
 stands (10 steps of beta2 0.95 later: 2-bit v 1.85x fp32's, int8 1.20x). So int4 and int3 round their 4-bit m
 stochastically, and int8 its E4M3 m (to nearest, an m whose gradients stay within 30-60% of it stays on its
-code, up to 6% off: one benchmark run: +0.9% from int8's m alone, -0.1% with stochastic m); int2 rounds m to
-nearest (a small m drawn up to 1/2 of the block max kicks its weight by many steps' worth). Every format
-rounds v stochastically: int8 and int4 unbiased in v, and 2-bit v (int3, int2) unbiased in ``v^(1/4)`` (to the
-upper neighbour with probability ``(y^(1/4) - lower^(1/4)) / (upper^(1/4) - lower^(1/4))``). Why the fourth
-root: v is an average re-encoded every step, so what its rounding is unbiased in sets where v settles, and
-with codes 4x apart that is far from fp32's v. Unbiased in v, v settles where its mean is right but
+code, up to 6% off: its update's gain with m alone stored, real gradients: 0.997, stochastic 1.000); int2
+rounds m to nearest (a small m drawn up to 1/2 of the block max kicks its weight by many steps' worth). Every
+format rounds v stochastically: int8 and int4 unbiased in v, and 2-bit v (int3, int2) unbiased in ``v^(1/4)``
+(to the upper neighbour with probability ``(y^(1/4) - lower^(1/4)) / (upper^(1/4) - lower^(1/4))``). Why the
+fourth root: v is an average re-encoded every step, so what its rounding is unbiased in sets where v settles,
+and with codes 4x apart that is far from fp32's v. Unbiased in v, v settles where its mean is right but
 ``1 / sqrt(v)`` is high (Jensen): noisy gradients' updates overstep by 1.2-1.3x. Unbiased in ``log v``, v
 settles where the mean of ``1 / v`` is right, so ``1 / sqrt(v)`` is low: the update is damped (gain 0.91 on
 real gradients, 0.94-0.98 for a steady gradient between two codes). Unbiased in ``v^(1/4)``, the steady
