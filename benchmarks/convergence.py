@@ -413,6 +413,16 @@ def held_out_report(results: list[dict], modes: list[str], curve_windows: int) -
     return lines if len(lines) > 2 else []
 
 
+def merge_results(files: list[list[dict]]) -> list[dict]:
+    """The runs of several result files, a later file's run replacing an earlier one of the same mode, lr and
+    seed (a rerun, e.g. after a change of a format), so that the table and the plot read the same runs."""
+    merged = {(r["mode"], r["lr"], r["seed"]): r for results in files for r in results}
+    replaced = sum(map(len, files)) - len(merged)
+    if replaced:
+        print(f"{replaced} runs replaced by a later file's run of the same mode, lr and seed")
+    return list(merged.values())
+
+
 def curve_label(run: dict, runs: list[dict]) -> str | None:
     """Each curve's seed and final loss for one or two seeds; from three on one entry per mode, its mean
     final loss over the seeds (a legend of every run would cover the panel)."""
@@ -506,7 +516,7 @@ def main() -> None:
     args.out = args.out or str(Path(args.report[0] if args.report else args.json).with_suffix(".png"))
     if args.report:
         runs = [json.loads(Path(f).read_text()) for f in args.report]
-        results = [r for run in runs for r in run["results"]]
+        results = merge_results([run["results"] for run in runs])
         order = [NOISE_FLOOR, *COMPRESSIONS]  # then any roundings, as they come
         modes = sorted(dict.fromkeys(r["mode"] for r in results), key=lambda m: (order + [m]).index(m))
         print(runs[0]["header"])

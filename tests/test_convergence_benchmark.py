@@ -78,3 +78,21 @@ def test_another_rounding_stream_changes_only_the_draws():
         runs[stream] = first, [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0], strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+
+
+def test_a_later_files_run_replaces_an_earlier_one_in_the_report():
+    """``--report a.json b.json``: a rerun in b of a's (mode, lr, seed) is the one the table and the plot
+    read, once (the plot's legend counted both before)."""
+
+    def run(mode: str, seed: int, final: float) -> dict:
+        return dict(mode=mode, lr=1e-3, seed=seed, final=final, curve=[[1, final]])
+
+    first = [run("none", 0, 1.0), run("int8", 0, 1.5), run("int8", 1, 1.2)]
+    merged = convergence.merge_results([first, [run("int8", 0, 1.01)]])
+    assert sorted((r["mode"], r["seed"], r["final"]) for r in merged) == [
+        ("int8", 0, 1.01),
+        ("int8", 1, 1.2),
+        ("none", 0, 1.0),
+    ]
+    table = convergence.report(merged, ["none", "int8"])
+    assert "+1.00%" in table[-1] and "+50.00%" not in table[-1]
