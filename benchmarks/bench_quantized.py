@@ -160,8 +160,8 @@ def bench_sources(
     print(f"\n{'step':<6} {'this ns/param':>14} {'other ns/param':>15} {'this / other':>13} {'bitwise':>8}")
     g = torch.Generator().manual_seed(0)
     param, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    roundings = {"this": None, "other": other_rounding}
     for name, bits in MODES.items():
-        roundings = {"this": None, "other": other_rounding}
         runs = {k: (param.clone(), codecs.empty_state(numel, bits)) for k in kernels}
         times: dict[str, list[float]] = {k: [] for k in kernels}
         for step in range(1, rounds + 2):
