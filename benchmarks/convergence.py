@@ -348,23 +348,40 @@ def mean_over_seeds(changes: list[float]) -> str:
     return f" (mean {statistics.mean(changes):+.2f}%{error})"
 
 
+def machine_of(run: dict) -> str:
+    return run.get("machine", "machine not recorded")
+
+
+def machine_tags(results: list[dict]) -> dict[str, str]:
+    """A letter per machine where the runs come from several (``{}`` for one): the tables pair each run
+    with fp32 state's on its own machine, in a row of its own, since fp32 rounds differently elsewhere."""
+    machines = sorted({machine_of(r) for r in results})
+    return {m: chr(ord("A") + i) for i, m in enumerate(machines)} if len(machines) > 1 else {}
+
+
+def row_label(lr: float, machine: str, tags: dict[str, str]) -> str:
+    return f"{lr:g} ({tags[machine]})" if tags else f"{lr:g}"
+
+
 def report(results: list[dict], modes: list[str]) -> list[str]:
-    """The change of each mode's final validation loss against fp32 state's of the same seed, and its mean
-    over the seeds (from three seeds on with its standard error). Verdicts apply the issue's bounds to the
-    worst seed: "ok" within them, "lower" beyond them only below fp32 state's loss, "NOT met" above. Beside
-    fp32's seed spread, the spread of every fp32-state run (every seed, fused and ``NOISE_FLOOR``): the
-    noise a quantized run's change is read against."""
+    """The change of each mode's final validation loss against fp32 state's of the same seed and machine,
+    and its mean over the seeds (from three seeds on with its standard error); a row per lr and machine.
+    Verdicts apply the issue's bounds to the worst seed: "ok" within them, "lower" beyond them only below
+    fp32 state's loss, "NOT met" above. Beside fp32's seed spread, the spread of every fp32-state run
+    (every seed, fused and ``NOISE_FLOOR``): the noise a quantized run's change is read against."""
     columns = "| lr | fp32 final val loss (seeds) | fp32 seed spread | fp32-state runs' spread (n) | "
     lines = [columns + " | ".join(
         f"{m} change (per seed)" for m in modes if m != "none") + " |"]  # fmt: skip
     lines.append("| --- " * (4 + len(modes) - 1) + "|")
-    for lr in sorted({r["lr"] for r in results}):
-        by = {(r["mode"], r["seed"]): r["final"] for r in results if r["lr"] == lr}
+    tags = machine_tags(results)
+    for lr, machine in sorted({(r["lr"], machine_of(r)) for r in results}):
+        row = [r for r in results if (r["lr"], machine_of(r)) == (lr, machine)]
+        by = {(r["mode"], r["seed"]): r["final"] for r in row}
         seeds = sorted({s for _, s in by})
         ref = [by[("none", s)] for s in seeds if ("none", s) in by]
         fp32 = [final for (m, _), final in by.items() if m in ("none", NOISE_FLOOR)]
         cells = [
-            f"{lr:g}",
+            row_label(lr, machine, tags),
             " / ".join(f"{x:.4f}" for x in ref),
             spread(ref, "one seed"),
             f"{spread(fp32, '-')} ({len(fp32)})",
@@ -393,19 +410,21 @@ def held_out_report(results: list[dict], modes: list[str], curve_windows: int) -
     of validation windows alone makes (over all of them, and over as many windows as the curve's
     ``--val-batches`` hold). Windows are consecutive text, so neighbours correlate and the figure is a
     lower bound. A change well beyond it is the trained weights', not the validation sample's."""
-    runs = {(r["mode"], r["lr"], r["seed"]): r for r in results if "windows" in r}
+    runs = {(r["mode"], r["lr"], machine_of(r), r["seed"]): r for r in results if "windows" in r}
     others = [m for m in modes if m != "none"]
     columns = ["lr", "seed", "fp32 held-out loss", *(f"{m} change (s.e.; at the curve's)" for m in others)]
     lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
-    for lr, seed in sorted({(lr, seed) for m, lr, seed in runs if m == "none"}):
-        ref = runs[("none", lr, seed)]
+    tags = machine_tags(results)
+    for trajectory in sorted(key[1:] for key in runs if key[0] == "none"):
+        lr, machine, seed = trajectory
+        ref = runs[("none", *trajectory)]
         base = torch.tensor(ref["windows"], dtype=torch.float64)
-        cells = [f"{lr:g}", str(seed), f"{ref['held_out']:.4f}"]
+        cells = [row_label(lr, machine, tags), str(seed), f"{ref['held_out']:.4f}"]
         for m in others:
-            if (m, lr, seed) not in runs:
+            if (m, *trajectory) not in runs:
                 cells.append("not run")
                 continue
-            windows = torch.tensor(runs[(m, lr, seed)]["windows"], dtype=torch.float64)
+            windows = torch.tensor(runs[(m, *trajectory)]["windows"], dtype=torch.float64)
             diff = (windows - base) / base.mean() * 100
             cells.append(f"{float(diff.mean()):+.2f}% ({float(diff.std() / diff.numel() ** 0.5):.2f}%; "
                          f"{float(diff.std() / curve_windows ** 0.5):.2f}%)")  # fmt: skip
@@ -414,12 +433,13 @@ def held_out_report(results: list[dict], modes: list[str], curve_windows: int) -
 
 
 def merge_results(files: list[list[dict]]) -> list[dict]:
-    """The runs of several result files, a later file's run replacing an earlier one of the same mode, lr and
-    seed (a rerun, e.g. after a change of a format), so that the table and the plot read the same runs."""
-    merged = {(r["mode"], r["lr"], r["seed"]): r for results in files for r in results}
+    """The runs of several result files, a later file's run replacing an earlier one of the same mode, lr,
+    seed and machine (a rerun, e.g. after a change of a format), so that the table and the plot read the
+    same runs. Another machine's run is kept beside it: another trajectory, paired with its own fp32."""
+    merged = {(r["mode"], r["lr"], r["seed"], machine_of(r)): r for results in files for r in results}
     replaced = sum(map(len, files)) - len(merged)
     if replaced:
-        print(f"{replaced} runs replaced by a later file's run of the same mode, lr and seed")
+        print(f"{replaced} runs replaced by a later file's run of the same mode, lr, seed and machine")
     return list(merged.values())
 
 
@@ -522,7 +542,7 @@ def main() -> None:
         print(runs[0]["header"])
         curve_windows = runs[0]["args"]["val_batches"] * VAL_BATCH
         print("\n".join(report(results, modes) + held_out_report(results, modes, curve_windows)))
-        machines = sorted({r.get("machine", "machine not recorded") for r in results})
+        machines = [f"{tag}: {m}" for m, tag in machine_tags(results).items()] or [machine_of(results[0])]
         print("runs made on: " + "; ".join(machines))
         plot(results, args.out, runs[0]["header"])
         return

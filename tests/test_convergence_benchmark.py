@@ -96,3 +96,24 @@ def test_a_later_files_run_replaces_an_earlier_one_in_the_report():
     ]
     table = convergence.report(merged, ["none", "int8"])
     assert "+1.00%" in table[-1] and "+50.00%" not in table[-1]
+
+
+def test_the_report_pairs_each_run_with_fp32_state_on_its_own_machine():
+    """fp32 rounds differently on another CPU, so a run is compared with fp32 state's run of its own
+    machine, in a row of its own, and a later file's run of another machine does not replace it."""
+
+    def run(mode: str, final: float, machine: str) -> dict:
+        windows = [final] * 4
+        return dict(mode=mode, lr=1e-3, seed=0, final=final, held_out=final, windows=windows, machine=machine)
+
+    xeon = [run("none", 1.0, "Xeon"), run("int8", 1.01, "Xeon")]
+    epyc = [run("none", 1.1, "EPYC"), run("int8", 1.1, "EPYC")]
+    merged = convergence.merge_results([xeon, epyc])
+    assert len(merged) == 4
+    table = convergence.report(merged, ["none", "int8"])
+    rows = {row.split(" | ")[0]: row for row in table[2:]}
+    assert rows.keys() == {"| 0.001 (A)", "| 0.001 (B)"}  # A: EPYC, B: Xeon
+    assert "+0.00%" in rows["| 0.001 (A)"] and "+1.00%" in rows["| 0.001 (B)"]
+    held_out = convergence.held_out_report(merged, ["none", "int8"], curve_windows=4)
+    assert [row.split(" | ")[:2] for row in held_out[2:]] == [["| 0.001 (A)", "0"], ["| 0.001 (B)", "0"]]
+    assert "+1.00%" in held_out[-1] and "+0.00%" in held_out[-2]
