@@ -4,6 +4,7 @@ must be torch's AdamW, and its compressed tensors must step as that reference do
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -117,3 +118,22 @@ def test_the_report_pairs_each_run_with_fp32_state_on_its_own_machine():
     held_out = convergence.held_out_report(merged, ["none", "int8"], curve_windows=4)
     assert [row.split(" | ")[:2] for row in held_out[2:]] == [["| 0.001 (A)", "0"], ["| 0.001 (B)", "0"]]
     assert "+1.00%" in held_out[-1] and "+0.00%" in held_out[-2]
+
+
+def test_report_keeps_only_the_modes_asked_for(tmp_path, monkeypatch, capsys):
+    """``--report a.json --modes none int3``: a file's runs of other modes (say of a format changed since)
+    are left out of the table and the plot."""
+
+    def run(mode: str, final: float) -> dict:
+        return dict(mode=mode, lr=1e-3, seed=0, final=final, curve=[[1, 2.0], [2, final]], machine="EPYC")
+
+    results = [run("none", 1.0), run("int8", 1.5), run("int3", 1.01)]
+    data = tmp_path / "grid.json"
+    data.write_text(json.dumps(dict(header="proxy", args=dict(val_batches=1), results=results)))
+    plot = tmp_path / "grid.png"
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--report", str(data), "--modes", "none", "int3"])
+    convergence.main()
+    table = capsys.readouterr().out
+    assert "int3 change" in table and "+1.00%" in table
+    assert "int8" not in table and "+50.00%" not in table
+    assert plot.stat().st_size > 0
