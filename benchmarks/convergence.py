@@ -26,7 +26,8 @@ Every (lr, seed) pair starts all modes from the same weights and feeds them the 
 the final validation loss (``--val-batches`` fixed held-out batches, the curve's) per mode and its change
 against fp32 state, beside fp32's seed-to-seed spread; and the change on the whole held-out split with the
 part of it that the validation sample alone explains (``held_out_report``). Results go to ``--json`` and
-the curves to ``--out``.
+the curves to ``--out``. ``--report a.json b.json`` merges earlier results (``--modes`` picks some); a run
+is compared with fp32 state's on its own machine, in a row per lr and machine.
 """
 
 from __future__ import annotations
