@@ -7,9 +7,9 @@ times, back to back, the memory bandwidth of two in-place streams over ``--numel
 ratio compares numbers measured under the same background load; the report gives medians over rounds of
 the per-round figures. The *floor* of a step is its bytes moved per parameter (param r/w 8 + grad 4 +
 state r/w: int8 16.09, int4 14.19, int3 13.75, int2 13.38; fp32 AdamW: 28) divided by the faster
-stream's bandwidth in that round (``x.mul_`` alone is slower than a step that reads more arrays: on a
-Zen 4 60 GB/s, against ``x.add_``'s 64 and torch's fused AdamW's 64.5); the goal is each quantized step
-within 1.5x of its floor.
+stream's bandwidth in that round (``x.mul_`` alone can be slower than a step that reads more arrays: on
+a Xeon 34-35 GB/s, while torch's fused AdamW moved 41-42); the goal is each quantized step within 1.5x of
+its floor.
 
 Then, each once, if importable (never installed by this project; skipped with a message):
 torchao ``AdamW8bit``/``AdamW4bit`` (torch.compile'd, the first step compiles), bitsandbytes

@@ -494,8 +494,8 @@ def main() -> None:
         nargs="+",
         help="compressions, optionally with a rounding: int4:nearest, int4:sr-v, int4:sr-m, int4:sr-mv, or "
         "one moment compressed: int4:m-only, int4:v-only; then optionally /rN: stochastic rounding's random "
-        "numbers from stream N (int4/r1); none:foreach (the noise floor). Default: none int8 int4 int3 "
-        "int2; with --report, every mode in the files",
+        "numbers from stream N (int4/r1); none:foreach (the noise floor). Default: every compression "
+        f"({' '.join(COMPRESSIONS)}); with --report, every mode in the files",
     )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
@@ -549,7 +549,7 @@ def main() -> None:
         print("runs made on: " + "; ".join(machines))
         plot(results, args.out, runs[0]["header"])
         return
-    args.modes = args.modes or ["none", "int8", "int4", "int3", "int2"]
+    args.modes = args.modes or list(COMPRESSIONS)
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     torch.set_num_threads(args.threads)
     train_tokens, val_tokens = stdlib_tokens() if args.corpus == "stdlib" else shipped_tokens()
