@@ -540,6 +540,8 @@ def main() -> None:
         results = merge_results([run["results"] for run in runs])
         if args.modes:  # e.g. leave out a file's runs of a format changed since
             results = [r for r in results if r["mode"] in args.modes]
+            if not results:
+                raise SystemExit(f"--modes {' '.join(args.modes)}: no such runs in {' '.join(args.report)}")
         order = [NOISE_FLOOR, *COMPRESSIONS]  # then any roundings, as they come
         modes = sorted(dict.fromkeys(r["mode"] for r in results), key=lambda m: (order + [m]).index(m))
         print(runs[0]["header"])

@@ -137,3 +137,6 @@ def test_report_keeps_only_the_modes_asked_for(tmp_path, monkeypatch, capsys):
     assert "int3 change" in table and "+1.00%" in table
     assert "int8" not in table and "+50.00%" not in table
     assert plot.stat().st_size > 0
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--report", str(data), "--modes", "int4"])
+    with pytest.raises(SystemExit, match="--modes int4: no such runs"):
+        convergence.main()
