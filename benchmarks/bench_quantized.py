@@ -92,7 +92,8 @@ class TorchOptimizer:
 def bench_main(numel: int, rounds: int) -> dict[str, list[float]]:
     """Rounds of [each stream, each format, fused fp32], interleaved; seconds per call."""
     x, y = torch.randn(numel), torch.randn(numel)
-    streams = {"x.mul_(c)": lambda: x.mul_(1.0000001), "x.add_(y)": lambda: x.add_(y, alpha=1e-9)}
+    probes = (lambda: x.mul_(1.0000001), lambda: x.add_(y, alpha=1e-9))
+    streams = dict(zip(STREAM_BYTES, probes, strict=True))  # named once, in STREAM_BYTES
     runs = {
         **{name: Ours(numel, bits) for name, bits in MODES.items()},
         "torch fused fp32": TorchOptimizer(
