@@ -129,6 +129,8 @@ def test_other_code_paths_match_fallback(bits: int, variant: str, variant_kernel
         for n in (256 * 33 + 5, 100):
             _assert_identical(_run(n, bits, 3, True, **mode), _run(n, bits, 3, False, **mode))
     _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
+    if bits != 8:
+        _assert_identical(_m_map_edges_run(bits, True), _m_map_edges_run(bits, False))
     n = 256 * 33 + 5  # the bf16 shadow written in the pass, full chunks and a tail
     _assert_identical(_run(n, bits, 3, True, shadow=True), _run(n, bits, 3, False, shadow=True))
     x = torch.randn(n) * 1e30
@@ -452,11 +454,36 @@ def _adversarial_run(bits: int, use_kernel: bool) -> tuple:
     return (p, *state)
 
 
+def _m_map_edges_run(bits: int, use_kernel: bool) -> tuple:
+    """One step from zero state whose first moments, divided by their blocks' signed maxima, land on and
+    within a few ulps of every m map value and of every power of two and 1.5 times one from 2^-10 to 1:
+    where the kernel's bucketed count of map values (m_count_at_most) changes; m and v rounded
+    stochastically."""
+    edges = [2.0**e * f for e in range(-10, 1) for f in (1.0, 1.5)]
+    centres = torch.tensor([*C.M_SORTED[4], *C.M_SORTED[2], *edges])
+    ulps = torch.arange(-4, 5, dtype=torch.float32) * 2.0**-23
+    y = (centres[:, None] * (1 + ulps)).flatten().clamp(-1.0, 1.0)
+    y = torch.cat([y, -y])
+    block = C.FORMATS[bits].m_block
+    per = block - 1  # each block: its maximum, 1.0 or -1.0 in turn, and block - 1 values of y
+    y = torch.cat([y, torch.zeros(-len(y) % per)]).view(-1, per)
+    top = torch.ones(len(y), 1)
+    top[1::2] = -1.0
+    g = torch.cat([top, y], dim=1).flatten()
+    p, state = torch.zeros(len(g)), C.empty_state(len(g), bits)
+    Q.quantized_adamw_(
+        p, g, *state, bits=bits, step=1, stochastic=("m", "v"), seed=3, use_kernel=use_kernel, **HP
+    )
+    return (p, *state)
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_adversarial_kernel_matches_fallback(bits: int) -> None:
     """NaN, Inf, overflowing and subnormal gradients: the kernel's rare cleaning path included."""
     _kernel_or_skip()
     _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
+    if bits != 8:
+        _assert_identical(_m_map_edges_run(bits, True), _m_map_edges_run(bits, False))
 
 
 @pytest.mark.parametrize("bits", BITS)

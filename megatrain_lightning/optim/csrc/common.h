@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -120,17 +121,84 @@ constexpr Padded16<16, 16> M4_DEC16(M4.decode, 0.0f), V4_DEC16(V4_DECODE, 0.0f);
 constexpr Padded16<4, 4> M2_DEC16(M2.decode, 0.0f), V2_DEC16(V2_DECODE, 0.0f);
 constexpr Padded16<15, 16> M4_MID16(M4.mid, 2.0f);
 constexpr Padded16<3, 4> M2_MID16(M2.mid, 2.0f);
-// for stochastic rounding: the sorted m maps and their values above the lowest (padded with 2)
-constexpr Padded16<16, 16> M4_SORT16(M4_SORTED, 0.0f);
-constexpr Padded16<4, 4> M2_SORT16(M2_SORTED, 0.0f);
-constexpr Padded16<15, 16> M4_ABOVE16(M4_SORTED + 1, 2.0f);
-constexpr Padded16<3, 4> M2_ABOVE16(M2_SORTED + 1, 2.0f);
+// The signed m maps' counts without a search (AVX-512, ``m_count_at_most``): y's bucket is its sign and
+// |y|'s "field" (bits >> 22: exponent and top mantissa bit) less FIELD_OFFSET, clamped to 0..15 (bucket 0:
+// every smaller |y|, 15: every larger). Each bucket holds at most one of the map's values above its
+// lowest, so how many of them are <= y is the bucket's ``base`` plus whether y >= its ``inside`` value
+// (NaN where none: never). Built and checked at compile time.
+template <int W>
+struct MBuckets {
+  static constexpr int FIELD_OFFSET = W == 4 ? 239 : 249;  // bucket 1 starts at 2^-7 (4 bits), 1/4 (2 bits)
+  alignas(64) int32_t base[32];   // positive y, then negative y (key + 16)
+  alignas(64) float inside[32];
+  // the smallest |y| of bucket b (1 <= b <= 15)
+  static constexpr float edge(int b) {
+    const int field = b + FIELD_OFFSET;
+    float x = field & 1 ? 1.5f : 1.0f;
+    for (int e = field >> 1; e < 127; ++e) x *= 0.5f;
+    for (int e = field >> 1; e > 127; --e) x *= 2.0f;
+    return x;
+  }
+  constexpr MBuckets() : base(), inside() {
+    for (int key = 0; key < 32; ++key) {
+      const int b = key & 15;
+      const float lo = b == 0 ? 0.0f : edge(b), hi = b == 15 ? std::numeric_limits<float>::infinity() : edge(b + 1);
+      int count = 0, found = 0;
+      float t = std::numeric_limits<float>::quiet_NaN();
+      for (int k = 1; k < MMap<W>::L; ++k) {
+        const float s = MMap<W>::SORTED[k];
+        // positive keys: y in [lo, hi); negative keys: y in (-hi, -lo], below 0 (-0.0 is a positive key's)
+        const bool below_all = key < 16 ? s <= lo : s <= -hi;
+        const bool inside_it = key < 16 ? (s > lo && s < hi) : (s > -hi && (b == 0 ? s < 0.0f : s <= -lo));
+        count += below_all;
+        if (inside_it) t = s, ++found;
+        if (found > 1) throw "two map values in one bucket: choose another FIELD_OFFSET";
+      }
+      base[key] = count;
+      inside[key] = t;
+    }
+  }
+};
+constexpr MBuckets<4> M4_BUCKETS{};
+constexpr MBuckets<2> M2_BUCKETS{};
+template <int W>
+constexpr const MBuckets<W>& m_buckets() {
+  if constexpr (W == 4) return M4_BUCKETS;
+  else return M2_BUCKETS;
+}
+// Stochastic rounding's two neighbours of y by a sorted index k (m: its map ascends, y between values k
+// and k + 1; v: descends, y between k + 1 and k): the lower one and the gap up to the other times 2^-23,
+// so that a random integer below 2^23 times the gap is ``uniform`` times the gap, exactly (a power of
+// two). Past the last value: m's gap is +inf (y never rounds up past the top), v's 0 (its own value).
+template <int N>
+struct SrNeighbours16 {
+  alignas(64) float lower[16];
+  alignas(64) float gap[16];
+  constexpr SrNeighbours16(const float* values, bool ascending) : lower(), gap() {
+    for (int i = 0; i < 16; ++i) {
+      const int k = i < N ? i : N - 1, n = k + 1 < N ? k + 1 : N - 1;
+      const float lo = ascending ? values[k] : values[n], hi = ascending ? values[n] : values[k];
+      lower[i] = lo;
+      gap[i] = k == n ? (ascending ? std::numeric_limits<float>::infinity() : 0.0f) : (hi - lo) * 0x1p-23f;
+    }
+  }
+};
+constexpr SrNeighbours16<16> M4_SR(M4_SORTED, true), V4_SR(V4_DECODE, false);
+constexpr SrNeighbours16<4> M2_SR(M2_SORTED, true), V2_SR(V2_DECODE, false);
+template <int W>
+constexpr const SrNeighbours16<W == 4 ? 16 : 4>& m_sr() {
+  if constexpr (W == 4) return M4_SR;
+  else return M2_SR;
+}
+template <int W>
+constexpr const SrNeighbours16<W == 4 ? 16 : 4>& v_sr() {
+  if constexpr (W == 4) return V4_SR;
+  else return V2_SR;
+}
 template <int W>
 constexpr const float* m_decode_table() { return W == 4 ? M4_DEC16.t : M2_DEC16.t; }
 template <int W>
 constexpr const float* v_decode_table() { return W == 4 ? V4_DEC16.t : V2_DEC16.t; }
-template <int W>
-constexpr const float* m_sorted_table() { return W == 4 ? M4_SORT16.t : M2_SORT16.t; }
 
 template <int W>
 constexpr const MTables<W>& mtables() {

@@ -41,35 +41,32 @@ inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, floa
                         uint8_t* __restrict out) {
   constexpr int L = MMap<W>::L;
 #if defined(__AVX512F__)
-  const __m512 sorted = m_sorted16<W>(), above = m_above16<W>();
+  const __m512 lower = _mm512_load_ps(m_sr<W>().lower), gap = _mm512_load_ps(m_sr<W>().gap);
   const __m512 vpre = _mm512_set1_ps(pre), vinv = _mm512_set1_ps(inv);
   const __m512i last = _mm512_set1_epi32(L - 1), one = _mm512_set1_epi32(1);
   const __m512i off = _mm512_set1_epi32(L - MMap<W>::ZERO);
   for (int i = 0; i < nb; i += 16) {
     const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(bits + i)), vpre), vinv);
-    const __m512i j = count_prefix<L, _CMP_GE_OQ>(y, above);  // values above the lowest that are <= y
-    const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(j, one), last);
-    const __m512 lo = _mm512_permutexvar_ps(j, sorted), hi = _mm512_permutexvar_ps(nx, sorted);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(y, lo),
-                                            _mm512_mul_ps(uniform16(index + i, key), _mm512_sub_ps(hi, lo)), _CMP_GT_OQ);
-    const __m512i idx = _mm512_mask_blend_epi32(up, j, nx);
-    const __m512i code = _mm512_and_si512(_mm512_add_epi32(idx, off), last);
+    const __m512i j = m_count_at_most<W>(y);  // values above the lowest that are <= y
+    const __m512 lo = _mm512_permutexvar_ps(j, lower);
+    const __m512 draw = _mm512_mul_ps(uniform_units16(index + i, key), _mm512_permutexvar_ps(j, gap));
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(y, lo), draw, _CMP_GT_OQ);  // never past the top
+    const __m512i idx = _mm512_add_epi32(j, off);
+    const __m512i code = _mm512_and_si512(_mm512_mask_add_epi32(idx, up, idx, one), last);
     _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(code));
   }
   return;
 #elif defined(__AVX2__)
   const __m256 vpre = _mm256_set1_ps(pre), vinv = _mm256_set1_ps(inv);
-  const __m256i last = _mm256_set1_epi32(L - 1), one = _mm256_set1_epi32(1);
-  const __m256i off = _mm256_set1_epi32(L - MMap<W>::ZERO);
+  const __m256i last = _mm256_set1_epi32(L - 1), off = _mm256_set1_epi32(L - MMap<W>::ZERO);
   for (int i = 0; i < nb; i += 8) {
     const __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)(bits + i))), vpre), vinv);
     const __m256i j = count_holding<L, _CMP_GE_OQ>(y, MMap<W>::SORTED + 1);  // values above the lowest <= y
-    const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(j, one), last);
-    const __m256 lo = lookup<L>(m_sorted_table<W>(), j), hi = lookup<L>(m_sorted_table<W>(), nx);
-    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lo), _mm256_mul_ps(uniform8(index + i, key), _mm256_sub_ps(hi, lo)),
-                                    _CMP_GT_OQ);
-    const __m256i idx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(j), _mm256_castsi256_ps(nx), up));
-    _mm_storel_epi64((__m128i*)(out + i), bytes8(_mm256_and_si256(_mm256_add_epi32(idx, off), last)));
+    const __m256 lo = lookup<L>(m_sr<W>().lower, j);
+    const __m256 draw = _mm256_mul_ps(uniform_units8(index + i, key), lookup<L>(m_sr<W>().gap, j));
+    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lo), draw, _CMP_GT_OQ);  // never past the top
+    const __m256i idx = _mm256_sub_epi32(_mm256_add_epi32(j, off), _mm256_castps_si256(up));  // up: -1
+    _mm_storel_epi64((__m128i*)(out + i), bytes8(_mm256_and_si256(idx, last)));
   }
   return;
 #endif
@@ -120,16 +117,17 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
     return;
   }
 #if defined(__AVX512F__)
-  const __m512 table = v_decode16<W>(), vinv = _mm512_set1_ps(inv);
+  const __m512 lowers = _mm512_load_ps(v_sr<W>().lower), gap = _mm512_load_ps(v_sr<W>().gap);
+  const __m512 vinv = _mm512_set1_ps(inv);
   const __m512i last = _mm512_set1_epi32(L - 1), one = _mm512_set1_epi32(1);
   for (int i = 0; i < nb; i += 16) {
     const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(bits + i)), vinv);
     const __m512i k = v_values_above<W>(y);  // values below the largest that are > y
-    const __m512i nx = _mm512_min_epi32(_mm512_add_epi32(k, one), last);
-    const __m512 upper = _mm512_permutexvar_ps(k, table), lower = _mm512_permutexvar_ps(nx, table);
-    const __mmask16 up = _mm512_cmp_ps_mask(
-        _mm512_sub_ps(y, lower), _mm512_mul_ps(uniform16(index + i, key), _mm512_sub_ps(upper, lower)), _CMP_GT_OQ);
-    _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(up, nx, k)));
+    const __m512 lower = _mm512_permutexvar_ps(k, lowers);
+    const __m512 draw = _mm512_mul_ps(uniform_units16(index + i, key), _mm512_permutexvar_ps(k, gap));
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(y, lower), draw, _CMP_GT_OQ);
+    const __m512i code = _mm512_min_epi32(_mm512_mask_add_epi32(k, _knot_mask16(up), k, one), last);  // down
+    _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(code));
   }
   return;
 #elif defined(__AVX2__)
@@ -138,11 +136,11 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
   for (int i = 0; i < nb; i += 8) {
     const __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)(bits + i))), vinv);
     const __m256i k = v_values_above<W>(y);  // values below the largest that are > y
-    const __m256i nx = _mm256_min_epi32(_mm256_add_epi32(k, one), last);
-    const __m256 upper = lookup<L>(v_decode_table<W>(), k), lower = lookup<L>(v_decode_table<W>(), nx);
-    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lower),
-                                    _mm256_mul_ps(uniform8(index + i, key), _mm256_sub_ps(upper, lower)), _CMP_GT_OQ);
-    const __m256i code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(nx), _mm256_castsi256_ps(k), up));
+    const __m256 lower = lookup<L>(v_sr<W>().lower, k);
+    const __m256 draw = _mm256_mul_ps(uniform_units8(index + i, key), lookup<L>(v_sr<W>().gap, k));
+    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lower), draw, _CMP_GT_OQ);
+    const __m256i down = _mm256_andnot_si256(_mm256_castps_si256(up), one);
+    const __m256i code = _mm256_min_epi32(_mm256_add_epi32(k, down), last);
     _mm_storel_epi64((__m128i*)(out + i), bytes8(code));
   }
   return;

@@ -55,9 +55,10 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
     const __m512i a = _mm512_min_epu32(_mm512_mask_mov_epi32(_mm512_and_si512(u, abs_mask),
                                                              _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf), zero),
                                        clamp);
-    _mm512_store_si512(st.m + i, _mm512_or_si512(a, _mm512_andnot_si512(abs_mask, u)));
+    const __m512i mc = _mm512_or_si512(a, _mm512_andnot_si512(abs_mask, u));  // the clean m
+    _mm512_store_si512(st.m + i, mc);
     am = _mm512_max_epu32(am, a);
-    pm = _mm512_max_epu32(pm, _mm512_mask_mov_epi32(a, _mm512_cmplt_epi32_mask(u, zero), zero));
+    pm = _mm512_max_epi32(pm, mc);  // negatives are negative integers: 0
     __m512i w = _mm512_castps_si512(v);  // negative values and NaN compare above inf: 0
     w = _mm512_min_epu32(_mm512_mask_mov_epi32(w, _mm512_cmpgt_epu32_mask(w, inf), zero), clamp);
     _mm512_store_si512(st.v + i, w);
@@ -113,9 +114,10 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
     const __m256i u = _mm256_castps_si256(m);
     __m256i a = _mm256_and_si256(u, abs_mask);  // NaN -> 0, then at most CLAMP
     a = _mm256_min_epu32(_mm256_andnot_si256(_mm256_cmpgt_epi32(a, inf), a), clamp);
-    _mm256_store_si256((__m256i*)(st.m + i), _mm256_or_si256(a, _mm256_andnot_si256(abs_mask, u)));
+    const __m256i mc = _mm256_or_si256(a, _mm256_andnot_si256(abs_mask, u));  // the clean m
+    _mm256_store_si256((__m256i*)(st.m + i), mc);
     am = _mm256_max_epu32(am, a);
-    pm = _mm256_max_epu32(pm, _mm256_andnot_si256(_mm256_srai_epi32(u, 31), a));  // negatives: 0
+    pm = _mm256_max_epi32(pm, mc);  // negatives are negative integers: 0
     __m256i w = _mm256_castps_si256(v);  // negative values and NaN are above inf as unsigned integers: 0
     w = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(w, above_inf), w), w);
     w = _mm256_min_epu32(w, clamp);

@@ -13,10 +13,6 @@ template <int W>
 inline __m512 v_decode16() { return _mm512_load_ps(v_decode_table<W>()); }
 template <int W>
 inline __m512 m_mid16() { return _mm512_load_ps(W == 4 ? M4_MID16.t : M2_MID16.t); }
-template <int W>
-inline __m512 m_sorted16() { return _mm512_load_ps(m_sorted_table<W>()); }
-template <int W>
-inline __m512 m_above16() { return _mm512_load_ps(W == 4 ? M4_ABOVE16.t : M2_ABOVE16.t); }
 
 // Branchless binary search over L - 1 sorted thresholds (padded to 16): the number of leading
 // thresholds for which ``pred(y, threshold)`` holds, when it holds for a prefix of them.
@@ -29,6 +25,21 @@ inline __m512i count_prefix(__m512 y, __m512 th) {
     idx = _mm512_mask_add_epi32(idx, hit, idx, _mm512_set1_epi32(bit));
   }
   return idx;
+}
+
+// How many of the m map's values above its lowest are <= y (count_prefix with _CMP_GE_OQ over them) by
+// y's bucket (MBuckets): no search; bitwise the same for every y but NaN.
+template <int W>
+inline __m512i m_count_at_most(__m512 y) {
+  constexpr auto& B = m_buckets<W>();
+  const __m512i a = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7fffffff));
+  __m512i key = _mm512_sub_epi32(_mm512_srli_epi32(a, 22), _mm512_set1_epi32(MBuckets<W>::FIELD_OFFSET));
+  key = _mm512_min_epi32(_mm512_max_epi32(key, _mm512_setzero_si512()), _mm512_set1_epi32(15));
+  const __mmask16 negative = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);  // -0.0 is not
+  key = _mm512_mask_or_epi32(key, negative, key, _mm512_set1_epi32(16));
+  const __m512i base = _mm512_permutex2var_epi32(_mm512_load_si512(B.base), key, _mm512_load_si512(B.base + 16));
+  const __m512 t = _mm512_permutex2var_ps(_mm512_load_ps(B.inside), key, _mm512_load_ps(B.inside + 16));
+  return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(y, t, _CMP_GE_OQ), base, _mm512_set1_epi32(1));
 }
 
 // The log maps of v repeat per octave: at 4 bits two values (and two thresholds) in each octave below 1,
@@ -65,9 +76,13 @@ inline __m512i hash16(int64_t index, uint32_t key) {
   return mix32x16(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)index), iota),
                                    _mm512_set1_epi32((int)key)));
 }
+// ``uniform`` of the 16 elements from ``index`` in units of 2^-23: integers below 2^23 (see Gaps16).
+inline __m512 uniform_units16(int64_t index, uint32_t key) {
+  return _mm512_cvtepi32_ps(_mm512_srli_epi32(hash16(index, key), 9));
+}
 // ``uniform`` of the 16 elements from ``index``.
 inline __m512 uniform16(int64_t index, uint32_t key) {
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(hash16(index, key), 9)), _mm512_set1_ps(0x1p-23f));
+  return _mm512_mul_ps(uniform_units16(index, key), _mm512_set1_ps(0x1p-23f));
 }
 #endif
 
@@ -114,9 +129,13 @@ inline __m256i hash8(int64_t index, uint32_t key) {
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x2c1b3c6d));
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
+// ``uniform`` of the 8 elements from ``index`` in units of 2^-23.
+inline __m256 uniform_units8(int64_t index, uint32_t key) {
+  return _mm256_cvtepi32_ps(_mm256_srli_epi32(hash8(index, key), 9));
+}
 // ``uniform`` of the 8 elements from ``index``.
 inline __m256 uniform8(int64_t index, uint32_t key) {
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hash8(index, key), 9)), _mm256_set1_ps(0x1p-23f));
+  return _mm256_mul_ps(uniform_units8(index, key), _mm256_set1_ps(0x1p-23f));
 }
 
 // How many of the table codes' values or thresholds (``pred``, e.g. _CMP_GE_OQ: y >= t) hold for y: one
