@@ -121,50 +121,56 @@ constexpr Padded16<16, 16> M4_DEC16(M4.decode, 0.0f), V4_DEC16(V4_DECODE, 0.0f);
 constexpr Padded16<4, 4> M2_DEC16(M2.decode, 0.0f), V2_DEC16(V2_DECODE, 0.0f);
 constexpr Padded16<15, 16> M4_MID16(M4.mid, 2.0f);
 constexpr Padded16<3, 4> M2_MID16(M2.mid, 2.0f);
-// The signed m maps' counts without a search (AVX-512, ``m_count_at_most``): y's bucket is its sign and
-// |y|'s "field" (bits >> 22: exponent and top mantissa bit) less FIELD_OFFSET, clamped to 0..15 (bucket 0:
-// every smaller |y|, 15: every larger). Each bucket holds at most one of the map's values above its
-// lowest, so how many of them are <= y is the bucket's ``base`` plus whether y >= its ``inside`` value
-// (NaN where none: never). Built and checked at compile time.
-template <int W>
+// The signed m maps' counts without a search (``m_count_at_most``): y's bucket is its sign and |y|'s
+// "field" (bits >> SHIFT: with 22 its exponent and top mantissa bit, 16 buckets per sign for AVX-512's
+// 16-lane lookups; with 23 its exponent, 8 per sign for AVX2's 8-lane ones) less FIELD_OFFSET, clamped
+// (bucket 0: every smaller |y|, the last: every larger). Each bucket holds at most INSIDE of the map's
+// values above its lowest, so how many of them are <= y is the bucket's ``base`` plus how many of its
+// ``inside`` values y is >= (NaN where none: never). Built and checked at compile time.
+template <int W, int SHIFT>
 struct MBuckets {
-  static constexpr int FIELD_OFFSET = W == 4 ? 239 : 249;  // bucket 1 starts at 2^-7 (4 bits), 1/4 (2 bits)
-  alignas(64) int32_t base[32];   // positive y, then negative y (key + 16)
-  alignas(64) float inside[32];
-  // the smallest |y| of bucket b (1 <= b <= 15)
+  static constexpr int PER_SIGN = SHIFT == 22 ? 16 : 8, INSIDE = SHIFT == 22 ? 1 : 2;
+  // bucket 1 starts at 2^-7 (4 bits, 16 per sign), 2^-5 (4 bits, 8 per sign), 1/4 (2 bits)
+  static constexpr int FIELD_OFFSET = SHIFT == 22 ? (W == 4 ? 239 : 249) : (W == 4 ? 121 : 124);
+  alignas(64) int32_t base[2 * PER_SIGN];  // positive y, then negative y (key + PER_SIGN)
+  alignas(64) float inside[INSIDE][2 * PER_SIGN];
+  // the smallest |y| of bucket b (b >= 1)
   static constexpr float edge(int b) {
-    const int field = b + FIELD_OFFSET;
-    float x = field & 1 ? 1.5f : 1.0f;
-    for (int e = field >> 1; e < 127; ++e) x *= 0.5f;
-    for (int e = field >> 1; e > 127; --e) x *= 2.0f;
+    const int field = b + FIELD_OFFSET, exponent = SHIFT == 22 ? field >> 1 : field;
+    float x = SHIFT == 22 && (field & 1) ? 1.5f : 1.0f;
+    for (int e = exponent; e < 127; ++e) x *= 0.5f;
+    for (int e = exponent; e > 127; --e) x *= 2.0f;
     return x;
   }
   constexpr MBuckets() : base(), inside() {
-    for (int key = 0; key < 32; ++key) {
-      const int b = key & 15;
-      const float lo = b == 0 ? 0.0f : edge(b), hi = b == 15 ? std::numeric_limits<float>::infinity() : edge(b + 1);
+    for (int key = 0; key < 2 * PER_SIGN; ++key) {
+      const int b = key % PER_SIGN;
+      const bool positive = key < PER_SIGN;
+      const float lo = b == 0 ? 0.0f : edge(b);
+      const float hi = b == PER_SIGN - 1 ? std::numeric_limits<float>::infinity() : edge(b + 1);
       int count = 0, found = 0;
-      float t = std::numeric_limits<float>::quiet_NaN();
+      for (int i = 0; i < INSIDE; ++i) inside[i][key] = std::numeric_limits<float>::quiet_NaN();
       for (int k = 1; k < MMap<W>::L; ++k) {
         const float s = MMap<W>::SORTED[k];
         // positive keys: y in [lo, hi); negative keys: y in (-hi, -lo], below 0 (-0.0 is a positive key's)
-        const bool below_all = key < 16 ? s <= lo : s <= -hi;
-        const bool inside_it = key < 16 ? (s > lo && s < hi) : (s > -hi && (b == 0 ? s < 0.0f : s <= -lo));
+        const bool below_all = positive ? s <= lo : s <= -hi;
+        const bool inside_it = positive ? (s > lo && s < hi) : (s > -hi && (b == 0 ? s < 0.0f : s <= -lo));
         count += below_all;
-        if (inside_it) t = s, ++found;
-        if (found > 1) throw "two map values in one bucket: choose another FIELD_OFFSET";
+        if (!inside_it) continue;
+        if (found == INSIDE) throw "too many map values in one bucket: choose another FIELD_OFFSET";
+        inside[found++][key] = s;
       }
       base[key] = count;
-      inside[key] = t;
     }
   }
 };
-constexpr MBuckets<4> M4_BUCKETS{};
-constexpr MBuckets<2> M2_BUCKETS{};
+constexpr MBuckets<4, 22> M4_BUCKETS16{};
+constexpr MBuckets<2, 22> M2_BUCKETS16{};
+constexpr MBuckets<4, 23> M4_BUCKETS8{};
 template <int W>
-constexpr const MBuckets<W>& m_buckets() {
-  if constexpr (W == 4) return M4_BUCKETS;
-  else return M2_BUCKETS;
+constexpr const MBuckets<W, 22>& m_buckets16() {
+  if constexpr (W == 4) return M4_BUCKETS16;
+  else return M2_BUCKETS16;
 }
 // Stochastic rounding's two neighbours of y by a sorted index k (m: its map ascends, y between values k
 // and k + 1; v: descends, y between k + 1 and k): the lower one and the gap up to the other times 2^-23,

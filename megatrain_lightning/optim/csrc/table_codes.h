@@ -61,7 +61,9 @@ inline void sr_encode_m(const uint32_t* __restrict bits, int nb, float pre, floa
   const __m256i last = _mm256_set1_epi32(L - 1), off = _mm256_set1_epi32(L - MMap<W>::ZERO);
   for (int i = 0; i < nb; i += 8) {
     const __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)(bits + i))), vpre), vinv);
-    const __m256i j = count_holding<L, _CMP_GE_OQ>(y, MMap<W>::SORTED + 1);  // values above the lowest <= y
+    __m256i j;  // values above the lowest that are <= y
+    if constexpr (W == 4) j = m4_count_at_most(y);
+    else j = count_holding<L, _CMP_GE_OQ>(y, MMap<W>::SORTED + 1);
     const __m256 lo = lookup<L>(m_sr<W>().lower, j);
     const __m256 draw = _mm256_mul_ps(uniform_units8(index + i, key), lookup<L>(m_sr<W>().gap, j));
     const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(y, lo), draw, _CMP_GT_OQ);  // never past the top

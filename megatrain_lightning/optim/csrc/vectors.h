@@ -31,14 +31,14 @@ inline __m512i count_prefix(__m512 y, __m512 th) {
 // y's bucket (MBuckets): no search; bitwise the same for every y but NaN.
 template <int W>
 inline __m512i m_count_at_most(__m512 y) {
-  constexpr auto& B = m_buckets<W>();
+  constexpr auto& B = m_buckets16<W>();
   const __m512i a = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7fffffff));
-  __m512i key = _mm512_sub_epi32(_mm512_srli_epi32(a, 22), _mm512_set1_epi32(MBuckets<W>::FIELD_OFFSET));
+  __m512i key = _mm512_sub_epi32(_mm512_srli_epi32(a, 22), _mm512_set1_epi32(B.FIELD_OFFSET));
   key = _mm512_min_epi32(_mm512_max_epi32(key, _mm512_setzero_si512()), _mm512_set1_epi32(15));
   const __mmask16 negative = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);  // -0.0 is not
   key = _mm512_mask_or_epi32(key, negative, key, _mm512_set1_epi32(16));
   const __m512i base = _mm512_permutex2var_epi32(_mm512_load_si512(B.base), key, _mm512_load_si512(B.base + 16));
-  const __m512 t = _mm512_permutex2var_ps(_mm512_load_ps(B.inside), key, _mm512_load_ps(B.inside + 16));
+  const __m512 t = _mm512_permutex2var_ps(_mm512_load_ps(B.inside[0]), key, _mm512_load_ps(B.inside[0] + 16));
   return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(y, t, _CMP_GE_OQ), base, _mm512_set1_epi32(1));
 }
 
@@ -146,6 +146,24 @@ inline __m256i count_holding(__m256 y, const float* t) {
   for (int k = 0; k < L - 1; ++k)  // a true compare is -1
     count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(t[k]), PRED)));
   return count;
+}
+
+// m_count_at_most with 8 lanes, for the 4-bit map (the 2-bit one's 3 compares are cheaper): buckets by
+// exponent (MBuckets<4, 23>), each a lookup of 16 by sign and bucket and up to two compares.
+inline __m256i m4_count_at_most(__m256 y) {
+  constexpr auto& B = M4_BUCKETS8;
+  const __m256i a = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7fffffff));
+  __m256i key = _mm256_sub_epi32(_mm256_srli_epi32(a, 23), _mm256_set1_epi32(B.FIELD_OFFSET));
+  key = _mm256_min_epi32(_mm256_max_epi32(key, _mm256_setzero_si256()), _mm256_set1_epi32(7));
+  const __m256 negative = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ);  // -0.0 is not
+  const auto by_key = [&](const float* table) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(table), key),
+                            _mm256_permutevar8x32_ps(_mm256_load_ps(table + 8), key), negative);
+  };
+  const __m256i base = _mm256_castps_si256(by_key((const float*)B.base));
+  const __m256i first = _mm256_castps_si256(_mm256_cmp_ps(y, by_key(B.inside[0]), _CMP_GE_OQ));  // true: -1
+  const __m256i second = _mm256_castps_si256(_mm256_cmp_ps(y, by_key(B.inside[1]), _CMP_GE_OQ));
+  return _mm256_sub_epi32(_mm256_sub_epi32(base, first), second);
 }
 
 // count_above_log with 8 lanes (mantissas are below 2^23: signed compares are unsigned ones)
