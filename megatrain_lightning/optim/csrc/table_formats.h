@@ -5,18 +5,59 @@
 
 namespace {
 
-// A table-format chunk's new moments after its update, cleaned (NaN -> 0, magnitudes at most CLAMP; v's
-// negatives -> 0), as bits: m's magnitude with its sign, v's value; and per block the maxima its scales
-// come from: m's largest magnitude and largest positive value, v's largest value (at least V_FLOOR).
+// A table-format chunk's new moments after its update, as bits: m's and v's, and per block the maxima its
+// scales come from: m's largest magnitude and largest positive value, v's largest value (at least
+// V_FLOOR). The vector passes stage them as computed; ``clean_staged`` makes them finite (NaN -> 0,
+// magnitudes at most CLAMP, v's negatives -> 0) where a block's maximum shows a value to clean.
 struct TStaged {
   alignas(64) uint32_t m[CHUNK];
   alignas(64) uint32_t v[CHUNK];
   uint32_t m_abs[CHUNK / 16], m_pos[CHUNK / 16], v_max[CHUNK / 16];  // per block (blocks of >= 16)
 };
 
+// Whether any staged value needs cleaning: NaN, Inf, beyond CLAMP or (v) negative ones raise their block's
+// maximum above CLAMP (as unsigned integers, v's sign bit too).
+template <int MB, int VB>
+inline bool staged_unclean(const TStaged& st) {
+  uint32_t worst = 0;
+  for (int b = 0; b < CHUNK / MB; ++b) worst = std::max(worst, st.m_abs[b]);
+  for (int b = 0; b < CHUNK / VB; ++b) worst = std::max(worst, st.v_max[b]);
+  return worst > CLAMP_BITS;
+}
+
+// The staged moments cleaned and their block maxima taken again: the vector passes' rare path (NaN, Inf,
+// overflowing or negative moments), the portable pass's only one.
+template <int MB, int VB>
+inline void clean_staged(TStaged& st) {
+  for (int o = 0; o < CHUNK; o += MB) {
+    uint32_t amax = 0, pmax = 0;
+    for (int i = o; i < o + MB; ++i) {
+      const uint32_t u = st.m[i];
+      uint32_t a = u & 0x7fffffffu;
+      a = a > INF_BITS ? 0u : (a > CLAMP_BITS ? CLAMP_BITS : a);
+      st.m[i] = a | (u & 0x80000000u);
+      amax = a > amax ? a : amax;
+      const uint32_t pos = (u >> 31) ? 0u : a;
+      pmax = pos > pmax ? pos : pmax;
+    }
+    st.m_abs[o / MB] = amax;
+    st.m_pos[o / MB] = pmax;
+  }
+  for (int o = 0; o < CHUNK; o += VB) {
+    uint32_t vmax = fbits(V_FLOOR);
+    for (int i = o; i < o + VB; ++i) {
+      uint32_t u = st.v[i];
+      u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);  // negative values and NaN: above inf
+      st.v[i] = u;
+      vmax = u > vmax ? u : vmax;
+    }
+    st.v_max[o / VB] = vmax;
+  }
+}
+
 #if defined(__AVX512F__)
 // Pass 1 of a table-format chunk, 16 elements at a time in registers: decode (in-register table lookups),
-// update (fp32), write the parameter, clean the new moments and take their block maxima.
+// update (fp32), write the parameter, stage the new moments and take their block maxima.
 template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
 inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t* __restrict mcu,
                    const float* __restrict ms, const uint8_t* __restrict vcu, const float* __restrict vs,
@@ -27,8 +68,7 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
   const __m512 b1 = _mm512_set1_ps(h.b1), omb1 = _mm512_set1_ps(h.omb1);
   const __m512 b2 = _mm512_set1_ps(h.b2), omb2 = _mm512_set1_ps(h.omb2);
   const __m512 ibc2 = _mm512_set1_ps(h.ibc2), eps = _mm512_set1_ps(h.eps), nstep = _mm512_set1_ps(h.nstep);
-  const __m512i zero = _mm512_setzero_si512(), inf = _mm512_set1_epi32((int)INF_BITS);
-  const __m512i clamp = _mm512_set1_epi32((int)CLAMP_BITS), abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i zero = _mm512_setzero_si512(), abs_mask = _mm512_set1_epi32(0x7fffffff);
   const __m512i v_floor = _mm512_set1_epi32((int)fbits(V_FLOOR));
   __m512i am = zero, pm = zero, vm = v_floor;
   for (int i = 0; i < CHUNK; i += 16) {
@@ -51,17 +91,11 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
       m = _mm512_maskz_mov_ps(live, m);
       v = _mm512_maskz_mov_ps(live, v);
     }
-    const __m512i u = _mm512_castps_si512(m);
-    const __m512i a = _mm512_min_epu32(_mm512_mask_mov_epi32(_mm512_and_si512(u, abs_mask),
-                                                             _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf), zero),
-                                       clamp);
-    const __m512i mc = _mm512_or_si512(a, _mm512_andnot_si512(abs_mask, u));  // the clean m
-    _mm512_store_si512(st.m + i, mc);
-    am = _mm512_max_epu32(am, a);
-    pm = _mm512_max_epi32(pm, mc);  // negatives are negative integers: 0
-    __m512i w = _mm512_castps_si512(v);  // negative values and NaN compare above inf: 0
-    w = _mm512_min_epu32(_mm512_mask_mov_epi32(w, _mm512_cmpgt_epu32_mask(w, inf), zero), clamp);
+    const __m512i u = _mm512_castps_si512(m), w = _mm512_castps_si512(v);
+    _mm512_store_si512(st.m + i, u);
     _mm512_store_si512(st.v + i, w);
+    am = _mm512_max_epu32(am, _mm512_and_si512(u, abs_mask));
+    pm = _mm512_max_epi32(pm, u);  // negatives are negative integers: 0
     vm = _mm512_max_epu32(vm, w);
     if ((i + 16) % MB == 0) {
       st.m_abs[i / MB] = _mm512_reduce_max_epu32(am);
@@ -86,9 +120,7 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
   const __m256 b1 = _mm256_set1_ps(h.b1), omb1 = _mm256_set1_ps(h.omb1);
   const __m256 b2 = _mm256_set1_ps(h.b2), omb2 = _mm256_set1_ps(h.omb2);
   const __m256 ibc2 = _mm256_set1_ps(h.ibc2), eps = _mm256_set1_ps(h.eps), nstep = _mm256_set1_ps(h.nstep);
-  const __m256i zero = _mm256_setzero_si256(), inf = _mm256_set1_epi32((int)INF_BITS);
-  const __m256i above_inf = _mm256_set1_epi32((int)INF_BITS + 1);
-  const __m256i clamp = _mm256_set1_epi32((int)CLAMP_BITS), abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i zero = _mm256_setzero_si256(), abs_mask = _mm256_set1_epi32(0x7fffffff);
   const __m256i v_floor = _mm256_set1_epi32((int)fbits(V_FLOOR)), iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256i am = zero, pm = zero, vm = v_floor;
   for (int i = 0; i < CHUNK; i += 8) {
@@ -111,17 +143,11 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
       m = _mm256_and_ps(m, live);
       v = _mm256_and_ps(v, live);
     }
-    const __m256i u = _mm256_castps_si256(m);
-    __m256i a = _mm256_and_si256(u, abs_mask);  // NaN -> 0, then at most CLAMP
-    a = _mm256_min_epu32(_mm256_andnot_si256(_mm256_cmpgt_epi32(a, inf), a), clamp);
-    const __m256i mc = _mm256_or_si256(a, _mm256_andnot_si256(abs_mask, u));  // the clean m
-    _mm256_store_si256((__m256i*)(st.m + i), mc);
-    am = _mm256_max_epu32(am, a);
-    pm = _mm256_max_epi32(pm, mc);  // negatives are negative integers: 0
-    __m256i w = _mm256_castps_si256(v);  // negative values and NaN are above inf as unsigned integers: 0
-    w = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(w, above_inf), w), w);
-    w = _mm256_min_epu32(w, clamp);
+    const __m256i u = _mm256_castps_si256(m), w = _mm256_castps_si256(v);
+    _mm256_store_si256((__m256i*)(st.m + i), u);
     _mm256_store_si256((__m256i*)(st.v + i), w);
+    am = _mm256_max_epu32(am, _mm256_and_si256(u, abs_mask));
+    pm = _mm256_max_epi32(pm, u);  // negatives are negative integers: 0
     vm = _mm256_max_epu32(vm, w);
     if ((i + 8) % MB == 0) {
       st.m_abs[i / MB] = hmaxu8(am);
@@ -136,7 +162,7 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
 }
 #else
 // Pass 1 without AVX2: the same in loops over fixed-size arrays that the compiler vectorizes (decoding
-// by selects over codes: no gathers, slow on CPUs with the gather-data-sampling mitigation).
+// by selects over codes: no gathers, slow on CPUs with the gather-data-sampling mitigation), cleaned.
 template <int MW, int MB, int VW, int VB, bool MAXIMIZE, bool L2>
 inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t* __restrict mcu,
                    const float* __restrict ms, const uint8_t* __restrict vcu, const float* __restrict vs,
@@ -175,30 +201,9 @@ inline void tstage(float* __restrict p, const float* __restrict g, const uint8_t
     }
   }
   for (int i = valid; i < CHUNK; ++i) mn[i] = vn[i] = 0.0f;
-  for (int o = 0; o < CHUNK; o += MB) {
-    uint32_t amax = 0, pmax = 0;
-    for (int i = o; i < o + MB; ++i) {
-      uint32_t u = fbits(mn[i]);
-      uint32_t a = u & 0x7fffffffu;
-      a = a > INF_BITS ? 0u : (a > CLAMP_BITS ? CLAMP_BITS : a);
-      st.m[i] = a | (u & 0x80000000u);
-      amax = a > amax ? a : amax;
-      uint32_t pos = (u >> 31) ? 0u : a;
-      pmax = pos > pmax ? pos : pmax;
-    }
-    st.m_abs[o / MB] = amax;
-    st.m_pos[o / MB] = pmax;
-  }
-  for (int o = 0; o < CHUNK; o += VB) {
-    uint32_t vmax = fbits(V_FLOOR);
-    for (int i = o; i < o + VB; ++i) {
-      uint32_t u = fbits(vn[i]);
-      u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);
-      st.v[i] = u;
-      vmax = u > vmax ? u : vmax;
-    }
-    st.v_max[o / VB] = vmax;
-  }
+  std::memcpy(st.m, mn, sizeof mn);
+  std::memcpy(st.v, vn, sizeof vn);
+  clean_staged<MB, VB>(st);
 }
 #endif
 
@@ -220,6 +225,7 @@ inline void tchunk(float* __restrict p, const float* __restrict g, uint8_t* __re
   unpack_codes<MW>(mc, mcu);
   unpack_codes<VW>(vc, vcu);
   tstage<MW, MB, VW, VB, MAXIMIZE, L2>(p, g, mcu, ms, vcu, vs, h, valid, st);
+  if (staged_unclean<MB, VB>(st)) clean_staged<MB, VB>(st);
 
   // first moment: the signed block max, encode
   for (int o = 0; o < CHUNK; o += MB) {
