@@ -150,23 +150,42 @@ def report_main(times: dict[str, list[float]], numel: int) -> dict[str, float]:
     return summary
 
 
+ISA_FLAGS = {"avx2": ["-march=native", "-mno-avx512f", "-fopenmp"]}  # --isa: another path on this CPU
+
+
+def _kernel_from(source: Path, isa: str | None) -> K._Kernel:
+    """The kernel built from ``source`` (and the headers beside it), for this CPU or with ``ISA_FLAGS``."""
+    mine = K._SOURCE
+    K._SOURCE, K._kernel, K._kernel_error = source, None, None
+    try:
+        if isa is None:
+            kernel = K.load_kernel()
+            assert kernel is not None, K._kernel_error
+            return kernel
+        compiler = K._compiler()
+        assert compiler is not None, "no C++ compiler"
+        return K._Kernel(K._build(compiler, [ISA_FLAGS[isa]]))
+    finally:
+        K._SOURCE = mine
+
+
 def bench_sources(
-    numel: int, rounds: int, other: Path | None, other_rounding: tuple[str, ...] | None
+    numel: int,
+    rounds: int,
+    other: Path | None,
+    other_rounding: tuple[str, ...] | None,
+    isa: str | None = None,
 ) -> None:
     """This checkout's kernel and roundings against another kernel, built from ``other`` (an earlier
     ``quantized_adamw.cpp``, with the headers beside it: e.g. in ``git worktree add /tmp/before REV``),
     and/or other roundings (``other_rounding``: the moments every format rounds stochastically, for an
     older kernel that rejects today's or to price a rounding): steps of each format alternated on the same
     data; medians per element, their ratio, and whether the two left the same parameters and state bit
-    for bit (never, where the roundings differ)."""
-    mine = K._SOURCE
-    kernels = {"this": K.load_kernel()}
-    if other is not None:
-        K._SOURCE, K._kernel, K._kernel_error = Path(other), None, None
-        kernels["other"] = K.load_kernel()
-        K._SOURCE = mine
-    else:
-        kernels["other"] = kernels["this"]
+    for bit (never, where the roundings differ). ``isa``: both sides built for another code path this CPU
+    can run (``ISA_FLAGS``: e.g. AVX2 on an AVX-512 CPU)."""
+    kernels = {"this": _kernel_from(K._SOURCE, isa)}
+    kernels["other"] = kernels["this"] if other is None else _kernel_from(Path(other), isa)
+    print(f"kernels: {kernels['this'].isa}")
     print(f"\n{'step':<6} {'this ns/param':>14} {'other ns/param':>15} {'this / other':>13} {'bitwise':>8}")
     g = torch.Generator().manual_seed(0)
     param, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
@@ -290,11 +309,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="only: the moments the other side rounds stochastically (every format; none if empty), "
         "against this kernel's shipped roundings",
     )
+    parser.add_argument(
+        "--isa",
+        choices=tuple(ISA_FLAGS),
+        help="with --vs-source/--vs-rounding: both kernels built for this code path, not this CPU's best",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.vs_source is not None or args.vs_rounding is not None:
         vs_rounding = tuple(args.vs_rounding) if args.vs_rounding is not None else None
-        bench_sources(args.numel, args.rounds, args.vs_source, vs_rounding)
+        bench_sources(args.numel, args.rounds, args.vs_source, vs_rounding, args.isa)
         return
     start = time.perf_counter()
     build = timed(K.load_kernel)
