@@ -7,12 +7,12 @@
 // the portable scalar ``chunk8``; its v codes come from the value's exponent and its mantissa's place among
 // one octave's (``v8_values_above``; with AVX-512 by its top 5 bits and one compare, ``v8_above16``). The
 // table formats (int4, int3, int2) share ``tchunk``: with AVX-512 or AVX2 a first pass in registers
-// (``tstage``: decode by in-register lookups, update, clean, block maxima), then the codes (m by search or
-// compares; stochastic m by its bucket, ``m_count_at_most``; v from its exponent: ``count_above_log``);
-// loops the compiler vectorizes otherwise. Every floating-point
-// operation is mirrored one for one by the pure-torch fallback in quantized.py, so all of them give
-// bit-identical results: build with -ffp-contract=off and without -ffast-math (no
-// FMA contraction, no reassociation).
+// (``tstage``: decode by in-register lookups, update, block maxima; ``clean_staged`` only where those show
+// NaN, Inf or overflow), then the codes (m by search or compares; stochastic m by its bucket,
+// ``m_count_at_most``; v from its exponent: ``count_above_log``); loops the compiler vectorizes otherwise.
+// Every floating-point operation is mirrored one for one by the pure-torch fallback in quantized.py, so all
+// of them give bit-identical results: build with -ffp-contract=off and without -ffast-math (no FMA
+// contraction, no reassociation).
 //
 // The files, one translation unit (kernel.py compiles this one and keys its cache on all of them):
 //   common.h         constants, the formats' maps, scalar helpers (bits, hash, bf16 rounding, MXCSR)

@@ -128,7 +128,7 @@ inline void sr_encode_v(const uint32_t* __restrict bits, int nb, float inv, int6
     const __m512 lower = _mm512_permutexvar_ps(k, lowers);
     const __m512 draw = _mm512_mul_ps(uniform_units16(index + i, key), _mm512_permutexvar_ps(k, gap));
     const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(y, lower), draw, _CMP_GT_OQ);
-    const __m512i code = _mm512_min_epi32(_mm512_mask_add_epi32(k, _knot_mask16(up), k, one), last);  // down
+    const __m512i code = _mm512_min_epi32(_mm512_mask_add_epi32(k, _knot_mask16(up), k, one), last);  // else k + 1
     _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(code));
   }
   return;
