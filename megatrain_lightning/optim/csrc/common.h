@@ -230,6 +230,14 @@ inline float bfloat(uint32_t u) {
   return x;
 }
 
+// A new moment's bits made finite, as every path cleans them: a magnitude's NaN -> 0 and at most CLAMP (m
+// keeps its sign beside it); v's NaN and negatives (both above inf as unsigned integers) -> 0, at most CLAMP.
+inline uint32_t clean_magnitude(uint32_t u) {
+  const uint32_t a = u & 0x7fffffffu;
+  return a > INF_BITS ? 0u : (a > CLAMP_BITS ? CLAMP_BITS : a);
+}
+inline uint32_t clean_v(uint32_t u) { return u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u); }
+
 // fp32 -> bf16, round to nearest even (Tensor.to(torch.bfloat16) for every number and infinity); every
 // NaN becomes the quiet NaN 0x7fc0, as the torch fallback (optim/bf16.py) writes it. A loop the compiler
 // vectorizes: the compute-dtype shadow of the updated weights, written while they sit in L1.

@@ -123,9 +123,7 @@ inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __re
   // first moment: clean (NaN -> 0, |x| <= CLAMP), block max, encode
   uint32_t amax = 0;
   for (int i = 0; i < CHUNK; ++i) {
-    uint32_t u = fbits(mn[i]);
-    uint32_t a = u & 0x7fffffffu;
-    a = a > INF_BITS ? 0u : (a > CLAMP_BITS ? CLAMP_BITS : a);
+    const uint32_t u = fbits(mn[i]), a = clean_magnitude(u);
     mab[i] = a | (u & 0x80000000u);
     amax = a > amax ? a : amax;
   }
@@ -146,8 +144,7 @@ inline void chunk8(float* __restrict p, const float* __restrict g, uint8_t* __re
     const int o = half * HALF;
     uint32_t vmax = fbits(V_FLOOR);
     for (int i = 0; i < HALF; ++i) {
-      uint32_t u = fbits(vn[o + i]);
-      u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);
+      const uint32_t u = clean_v(fbits(vn[o + i]));
       mab[o + i] = u;
       vmax = u > vmax ? u : vmax;
     }
@@ -187,9 +184,7 @@ struct Staged {
 inline void clean_staged(Staged& st) {
   uint32_t amax = 0;
   for (int i = 0; i < CHUNK; ++i) {
-    uint32_t u = fbits(st.mn[i]);
-    uint32_t a = u & 0x7fffffffu;
-    a = a > INF_BITS ? 0u : (a > CLAMP_BITS ? CLAMP_BITS : a);
+    const uint32_t u = fbits(st.mn[i]), a = clean_magnitude(u);
     st.mn[i] = bfloat(a | (u & 0x80000000u));
     amax = a > amax ? a : amax;
   }
@@ -197,8 +192,7 @@ inline void clean_staged(Staged& st) {
   for (int half = 0; half < 2; ++half) {
     uint32_t vmax = fbits(V_FLOOR);
     for (int i = half * HALF; i < (half + 1) * HALF; ++i) {
-      uint32_t u = fbits(st.vn[i]);
-      u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);
+      const uint32_t u = clean_v(fbits(st.vn[i]));
       st.vn[i] = bfloat(u);
       vmax = u > vmax ? u : vmax;
     }

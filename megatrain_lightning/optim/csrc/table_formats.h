@@ -32,9 +32,7 @@ inline void clean_staged(TStaged& st) {
   for (int o = 0; o < CHUNK; o += MB) {
     uint32_t amax = 0, pmax = 0;
     for (int i = o; i < o + MB; ++i) {
-      const uint32_t u = st.m[i];
-      uint32_t a = u & 0x7fffffffu;
-      a = a > INF_BITS ? 0u : (a > CLAMP_BITS ? CLAMP_BITS : a);
+      const uint32_t u = st.m[i], a = clean_magnitude(u);
       st.m[i] = a | (u & 0x80000000u);
       amax = a > amax ? a : amax;
       const uint32_t pos = (u >> 31) ? 0u : a;
@@ -46,8 +44,7 @@ inline void clean_staged(TStaged& st) {
   for (int o = 0; o < CHUNK; o += VB) {
     uint32_t vmax = fbits(V_FLOOR);
     for (int i = o; i < o + VB; ++i) {
-      uint32_t u = st.v[i];
-      u = u > INF_BITS ? 0u : (u > CLAMP_BITS ? CLAMP_BITS : u);  // negative values and NaN: above inf
+      const uint32_t u = clean_v(st.v[i]);
       st.v[i] = u;
       vmax = u > vmax ? u : vmax;
     }
