@@ -482,8 +482,12 @@ def test_adversarial_kernel_matches_fallback(bits: int) -> None:
     """NaN, Inf, overflowing and subnormal gradients: the kernel's rare cleaning path included."""
     _kernel_or_skip()
     _assert_identical(_adversarial_run(bits, True), _adversarial_run(bits, False))
-    if bits != 8:
-        _assert_identical(_m_map_edges_run(bits, True), _m_map_edges_run(bits, False))
+
+
+@pytest.mark.parametrize("bits", [b for b in BITS if b != 8])
+def test_kernel_matches_fallback_on_and_around_the_m_maps_values(bits: int) -> None:
+    _kernel_or_skip()
+    _assert_identical(_m_map_edges_run(bits, True), _m_map_edges_run(bits, False))
 
 
 @pytest.mark.parametrize("bits", BITS)
