@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedModel, TrainingArguments, default_data_collator, get_scheduler
 from transformers.trainer_utils import TrainOutput
+from typing_extensions import override
 
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.strategy import MegaTrainStrategy
@@ -285,7 +286,7 @@ class Trainer:
         if save in ("steps", "epoch"):
             every = {"every_n_train_steps": _interval(a.save_steps, total_steps)} if save == "steps" else {}
             callbacks.append(
-                ModelCheckpoint(
+                _SaveAsHuggingFace(
                     dirpath=os.path.join(a.output_dir, "checkpoints"),
                     filename="checkpoint-{step}",
                     auto_insert_metric_name=False,
@@ -334,6 +335,26 @@ class Trainer:
             raise ValueError("a train_dataset without a length needs TrainingArguments(max_steps=...)")
         per_epoch = math.ceil(len(loader) / a.gradient_accumulation_steps)
         return max(1, math.ceil(a.num_train_epochs * per_epoch))
+
+
+class _SaveAsHuggingFace(ModelCheckpoint):
+    """``ModelCheckpoint`` that saves when Hugging Face's ``Trainer`` does: at each interval and at the last
+    step, and never twice at one step. Lightning's alone saves again the step a run resumed from (at its
+    first micro-batch when gradients accumulate: ``checkpoint-N-v1``, a copy of the whole model and
+    optimizer state) and skips the last step when that is not on an interval and anything was saved."""
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._last_global_step_saved = trainer.global_step  # what a run resumed from is on disk already
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        super().on_train_end(trainer, pl_module)
 
 
 def _strategy(value: Any) -> str:

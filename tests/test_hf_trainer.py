@@ -144,12 +144,16 @@ def test_init_checks_options_at_once():
 
 def test_short_bf16_run_on_cpu_logs_with_hf_defaults_and_resumes(tmp_path, windows):
     """The README's arguments on a CPU machine: bf16 with use_cpu, HF's logging_steps=500 on a 4-step run
-    still logs, and train(resume_from_checkpoint=...) continues from the saved step."""
+    still logs, and train(resume_from_checkpoint=...) continues from the saved step. Checkpoints as
+    Hugging Face's Trainer writes them: every save_steps and at the last step, none twice (Lightning's
+    ModelCheckpoint alone saves the resumed step again at the first accumulated micro-batch, as
+    checkpoint-4-v1, and not the last step 7)."""
 
     def args(steps: int) -> TrainingArguments:
         return TrainingArguments(
             str(tmp_path),
             per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
             max_steps=steps,
             bf16=True,
             use_cpu=True,
@@ -166,8 +170,15 @@ def test_short_bf16_run_on_cpu_logs_with_hf_defaults_and_resumes(tmp_path, windo
     with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
         logged = [r for r in csv.DictReader(f) if r.get("train_loss")]
     assert len(logged) == 4  # every step: min(500, max(1, 4 // 10))
-    resumed = mt.Trainer(model=tiny_model(), args=args(6), train_dataset=windows.train_set)
+    resumed = mt.Trainer(model=tiny_model(), args=args(7), train_dataset=windows.train_set)
     out = resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoints" / "last.ckpt"))
-    assert out.global_step == 6
+    assert out.global_step == 7
     with open(tmp_path / "logs" / "version_1" / "metrics.csv") as f:
-        assert len([r for r in csv.DictReader(f) if r.get("train_loss")]) == 2  # steps 4 and 5 only
+        assert len([r for r in csv.DictReader(f) if r.get("train_loss")]) == 3  # steps 4 to 6 only
+
+    def saved_step(name: str) -> int:
+        return torch.load(tmp_path / "checkpoints" / name / "lightning.pt", weights_only=True)["global_step"]
+
+    saved = sorted((p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")), key=lambda n: (len(n), n))
+    assert saved == ["last.ckpt", *(f"checkpoint-{step}.ckpt" for step in (2, 4, 6, 7))]
+    assert [saved_step(name) for name in saved] == [7, 2, 4, 6, 7]
