@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
@@ -33,25 +33,24 @@ def plain_container(value: Any) -> Any:
     return value
 
 
-class WarmupCosine:
+def warmup_cosine(warmup_steps: int, total_steps: int | None) -> Callable[[int], float]:
     """LR multiplier: linear warmup over ``warmup_steps``, then cosine decay to 0 at ``total_steps``.
 
-    ``total_steps=None`` keeps the multiplier at 1 after warmup (the ``"constant"`` schedule).
-    A callable object (not a lambda) so ``LambdaLR.state_dict()`` saves it.
+    ``total_steps=None`` keeps the multiplier at 1 after warmup (the ``"constant"`` schedule). A
+    function, which ``LambdaLR.state_dict()`` leaves out (as it does ``transformers``' schedulers): a
+    resumed run follows its own length, so raising ``max_steps`` to train on does not resume at lr 0.
     """
 
-    def __init__(self, warmup_steps: int, total_steps: int | None) -> None:
-        self.warmup_steps = warmup_steps
-        self.total_steps = total_steps
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.total_steps is None:
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if total_steps is None:
             return 1.0
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
 
 
 class CausalLMModule(L.LightningModule):
@@ -182,5 +181,15 @@ class CausalLMModule(L.LightningModule):
             if total is None:
                 estimated = self.trainer.estimated_stepping_batches
                 total = int(estimated) if math.isfinite(estimated) else None
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(hp.warmup_steps, total))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(hp.warmup_steps, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """Set the learning rate of the step a run starts at from its schedule: a resumed run's optimizer
+        state holds the rate its checkpoint's schedule gave (0 at a finished cosine's end), which the
+        schedule's next step would only replace after one update."""
+        for config in self.trainer.lr_scheduler_configs:
+            s = config.scheduler
+            if isinstance(s, torch.optim.lr_scheduler.LambdaLR):
+                for group, base, f in zip(s.optimizer.param_groups, s.base_lrs, s.lr_lambdas, strict=True):
+                    group["lr"] = base * f(s.last_epoch)

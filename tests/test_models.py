@@ -15,7 +15,7 @@ from conftest import LossRecorder, quiet_trainer
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.models import CausalLMModule, WarmupCosine
+from megatrain_lightning.models import CausalLMModule, warmup_cosine
 from megatrain_lightning.presets import TINY_ARCHS, llama_config, tiny_config
 from megatrain_lightning.serialization.initialization import InitRecorder
 from megatrain_lightning.serialization.meta import init_on_meta
@@ -101,15 +101,39 @@ def test_optimizer_on_meta_parameters():
 
 
 def test_warmup_cosine_and_constant_schedules():
-    f = WarmupCosine(warmup_steps=4, total_steps=14)
+    f = warmup_cosine(warmup_steps=4, total_steps=14)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == 1.0 and f(9) == pytest.approx(0.5) and f(14) == pytest.approx(0.0) and f(100) == 0.0
-    assert WarmupCosine(2, None)(50) == 1.0
+    assert warmup_cosine(2, None)(50) == 1.0
     module = CausalLMModule("llama", scheduler="constant")
     module.configure_model()
     assert set(module.configure_optimizers()) == {"optimizer"}
     with pytest.raises(ValueError, match="scheduler"):
         CausalLMModule("llama", scheduler="linear")
+
+
+class _LrRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "megatrain"])
+def test_resuming_with_more_steps_stretches_the_schedule(tmp_path, strategy):
+    """Raising max_steps to train on from a checkpoint follows the cosine of the new length from the
+    first resumed step, as with transformers' schedulers; the schedule saved in the checkpoint would
+    end at the old one (lr 0)."""
+    dm = TextDataModule(seq_len=32, batch_size=2)
+    first = quiet_trainer(strategy, 4, [])
+    first.fit(CausalLMModule("llama", lr=1e-3), datamodule=dm)
+    first.save_checkpoint(tmp_path / "step4.ckpt")
+    recorder = _LrRecorder()
+    quiet_trainer(strategy, 8, [recorder]).fit(
+        CausalLMModule("llama", lr=1e-3), datamodule=dm, ckpt_path=tmp_path / "step4.ckpt"
+    )
+    assert recorder.lrs == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * s / 8)) for s in range(4, 8)])
 
 
 def test_model_sources(tmp_path):
