@@ -14,10 +14,13 @@ LightningCLI parses, and ``megatrain --help`` lists them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
@@ -30,6 +33,7 @@ from megatrain_lightning.planner.table import format_plan
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointError
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.single_file import convert_checkpoint
+from megatrain_lightning.strategy import MegaTrainStrategy
 from megatrain_lightning.telemetry.monitor import with_progress_bar
 
 # The strategy unless `--trainer.strategy` says otherwise; its options: `--trainer.strategy.max_vram_gb=2`.
@@ -37,7 +41,23 @@ DEFAULT_STRATEGY = {"class_path": "megatrain_lightning.MegaTrainStrategy"}
 
 
 class MegaTrainCLI(LightningCLI):
-    """LightningCLI whose trainers show the step total of ``max_steps`` runs in the progress bar."""
+    """LightningCLI whose trainers show the step total of ``max_steps`` runs in the progress bar, and
+    whose megatrain strategy options are checked before anything is built."""
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        """A mistake in the strategy's options is one usage error that names it (jsonargparse, trying the
+        trainer's ``strategy`` union, would print a long traceback with the message in its middle)."""
+        strategy = self._get(self.config, "trainer.strategy")
+        if not isinstance(strategy, Namespace) or not _is_megatrain(strategy.class_path):
+            return
+        init_args = strategy.get("init_args") or Namespace()
+        options = {k: v for k, v in vars(init_args).items() if not isinstance(v, Namespace)}
+        try:
+            MegaTrainStrategy(**options)
+        except MisconfigurationException as err:
+            parser = self._subcommand_parsers.get(str(self.subcommand), self.parser)
+            parser.error(f"--trainer.strategy: {err}")
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -46,6 +66,12 @@ class MegaTrainCLI(LightningCLI):
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         kwargs["callbacks"] = with_progress_bar(callbacks, config.get("enable_progress_bar") is not False)
         return super().instantiate_trainer(**kwargs)
+
+
+def _is_megatrain(class_path: str) -> bool:
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None) if module else None
+    return isinstance(cls, type) and issubclass(cls, MegaTrainStrategy)
 
 
 def lightning_cli(args: list[str] | None = None, run: bool = True) -> LightningCLI:

@@ -189,6 +189,21 @@ def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "missing.ckpt is not a megatrain checkpoint directory" in err
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [("offload_dir", "exists and is not a directory"), ("max_vram_gb=-1", "must be a positive number of GB")],
+)
+def test_a_strategy_option_mistake_is_a_usage_error_naming_it(tmp_path, capsys, option, message):
+    if option == "offload_dir":
+        (tmp_path / "a_file").touch()
+        option = f"offload_dir={tmp_path / 'a_file'}"
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(TINY_YAML), f"--trainer.strategy.{option}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+
+
 def test_fit_resumes_from_ckpt_path(tmp_path):
     """`megatrain fit --ckpt_path`: a checkpoint of a run with omegaconf hyperparameters (as the Hydra app
     writes) loads with weights_only=True and training goes on from its step."""
