@@ -243,7 +243,8 @@ class Trainer:
         self.trainer.fit(
             self.module,
             train_dataloaders=train_loader,
-            val_dataloaders=self._eval_loader() if evaluate else None,
+            # given even when not evaluated (limit_val_batches=0): Lightning warns of a step without data
+            val_dataloaders=self._eval_loader() if self.eval_dataset is not None else None,
             ckpt_path="last" if resume_from_checkpoint is True else resume_from_checkpoint or None,
         )
         loss = self.module.loss_sum / max(self.module.loss_count, 1)

@@ -163,9 +163,14 @@ def test_short_bf16_run_on_cpu_logs_with_hf_defaults_and_resumes(tmp_path, windo
             disable_tqdm=True,
         )
 
-    first = mt.Trainer(model=tiny_model(), args=args(4), train_dataset=windows.train_set)
+    first = mt.Trainer(
+        model=tiny_model(), args=args(4), train_dataset=windows.train_set, eval_dataset=windows.val_set
+    )
     assert first.args.logging_steps == 500
-    first.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first.train()
+    assert not [w for w in caught if "val_dataloader" in str(w.message)]  # eval_strategy "no": not evaluated
     assert first.trainer.precision == "bf16-mixed"
     with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
         logged = [r for r in csv.DictReader(f) if r.get("train_loss")]
