@@ -155,6 +155,7 @@ def test_plan_subcommand_prints_the_table(capsys):
     for method in ("plain AdamW", "ZeRO-Offload", "megatrain none", "megatrain int8", "megatrain int4"):
         assert method in out
     assert "recommended: megatrain none with the store in host RAM" in out
+    assert "network GB" not in out  # one rank: neither the column nor its legend
     main(["plan", "--model", "7b", "--vram", "80", "--ram", "512", "--ranks", "8", "--nodes", "2"])
     assert "network GB" in capsys.readouterr().out
 

@@ -27,6 +27,8 @@ LEGEND = (
     "  megatrain's settings.",
     "step >= s: a lower bound on one optimizer step, set by the slowest (bound) of compute, link, disk,",
     "  the host's AdamW (update: megatrain's and ZeRO-Offload's) and, data parallel, the network.",
+)
+NETWORK_LEGEND = (  # data parallel only, as its column
     "network GB: what one rank's collectives receive per step (megatrain: each block all-gathered twice and",
     "  its gradients reduce-scattered once per micro-batch, fp32; plain AdamW: DDP's all-reduce).",
 )
@@ -94,7 +96,7 @@ def format_plan(plan: Plan) -> str:
         lines.append("  ".join(cells))
         if i == 0:
             lines.append("  ".join("-" * wd for wd in widths))
-    lines += ["", *LEGEND]
+    lines += ["", *LEGEND, *(NETWORK_LEGEND if mach.ranks > 1 else ())]
     least = min_cache_bytes(m.largest_block)
     lines += ["", f"disk tier: `max_cpu_gb` >= {_gb(least / 1e9)} GB (the store chunks in use at once)."]
     best = recommend(plan)
