@@ -269,6 +269,12 @@ CASES = [
         ValueError,
     ),
     Case(
+        "a HF directory that does not exist",
+        "no such directory (nothing is downloaded",
+        lambda t, f: _load(t, t / "no_such_model"),
+        ValueError,
+    ),
+    Case(
         "a HF directory with a shard missing",
         "is missing",
         lambda t, f: _load(t, _hf_dir(t, f, lambda p: os.remove(_shards(p)[0]))),
