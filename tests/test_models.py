@@ -155,8 +155,10 @@ def test_model_sources(tmp_path):
     from_dir.configure_model()
     for (name, a), b in zip(built.state_dict().items(), from_dir.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    with pytest.raises(ValueError, match="neither a tiny arch"):
+    with pytest.raises(ValueError, match="no such directory"):
         CausalLMModule(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="neither a tiny arch"):
+        CausalLMModule("llama2")
 
 
 class _LossRecorder(L.Callback):
