@@ -165,7 +165,7 @@ def resolve_config(model: str | Mapping[str, Any] | PretrainedConfig) -> tuple[P
             return tiny_config(model), None
         if (Path(model) / "config.json").is_file():
             return AutoConfig.from_pretrained(model), model
-        if not Path(model).exists() and ("/" in model or "\\" in model):
+        if len(Path(model).parts) > 1 and not Path(model).exists():
             raise ValueError(
                 f"model {model!r}: no such directory (nothing is downloaded: give a local Hugging Face model "
                 f"directory, or a tiny arch: {', '.join(TINY_ARCHS)})"

@@ -42,6 +42,17 @@ class LossRecorder(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class LRRecorder(L.Callback):
+    """The learning rate and betas of the first param group at every optimizer step."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, tuple[float, float]]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        group = optimizer.param_groups[0]
+        self.seen.append((group["lr"], tuple(group["betas"])))
+
+
 @dataclass
 class Run:
     module: L.LightningModule

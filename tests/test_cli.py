@@ -192,14 +192,22 @@ def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("option", "message"),
-    [("offload_dir", "exists and is not a directory"), ("max_vram_gb=-1", "must be a positive number of GB")],
+    [
+        ("offload_dir={file}", "exists and is not a directory"),
+        ("max_vram_gb=-1", "must be a positive number of GB"),
+    ],
 )
 def test_a_strategy_option_mistake_is_a_usage_error_naming_it(tmp_path, capsys, option, message):
-    if option == "offload_dir":
-        (tmp_path / "a_file").touch()
-        option = f"offload_dir={tmp_path / 'a_file'}"
+    (tmp_path / "a_file").touch()
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(TINY_YAML), f"--trainer.strategy.{option}"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(TINY_YAML),
+                f"--trainer.strategy.{option.format(file=tmp_path / 'a_file')}",
+            ]
+        )
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and message in err.strip().splitlines()[-1], err

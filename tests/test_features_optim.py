@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import (
     LossRecorder,
+    LRRecorder,
     UserLM,
     assert_same_training,
     fit_module,
@@ -40,17 +41,6 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return tiny_model("llama")  # called the default way: use_cache stays on
-
-
-class LRRecorder(L.Callback):
-    """The learning rate and betas of the first param group at every optimizer step."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[float, tuple[float, float]]] = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        group = optimizer.param_groups[0]
-        self.seen.append((group["lr"], tuple(group["betas"])))
 
 
 # -- LR schedulers: the ones holding their own reference to the param groups included --

@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import LossRecorder, quiet_trainer
+from conftest import LossRecorder, LRRecorder, quiet_trainer
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning.data import TextDataModule
@@ -112,14 +112,6 @@ def test_warmup_cosine_and_constant_schedules():
         CausalLMModule("llama", scheduler="linear")
 
 
-class _LrRecorder(L.Callback):
-    def __init__(self) -> None:
-        self.lrs: list[float] = []
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
-        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
-
-
 @pytest.mark.parametrize("strategy", ["auto", "megatrain"])
 def test_resuming_with_more_steps_stretches_the_schedule(tmp_path, strategy):
     """Raising max_steps to train on from a checkpoint follows the cosine of the new length from the
@@ -129,11 +121,13 @@ def test_resuming_with_more_steps_stretches_the_schedule(tmp_path, strategy):
     first = quiet_trainer(strategy, 4, [])
     first.fit(CausalLMModule("llama", lr=1e-3), datamodule=dm)
     first.save_checkpoint(tmp_path / "step4.ckpt")
-    recorder = _LrRecorder()
+    recorder = LRRecorder()
     quiet_trainer(strategy, 8, [recorder]).fit(
         CausalLMModule("llama", lr=1e-3), datamodule=dm, ckpt_path=tmp_path / "step4.ckpt"
     )
-    assert recorder.lrs == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * s / 8)) for s in range(4, 8)])
+    assert [lr for lr, _ in recorder.seen] == pytest.approx(
+        [1e-3 * 0.5 * (1 + math.cos(math.pi * s / 8)) for s in range(4, 8)]
+    )
 
 
 def test_model_sources(tmp_path):
