@@ -160,6 +160,7 @@ class MegaTrainStrategy(RankedStrategy):
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []
         self._release_store_dirs: Callable[[], Any] = lambda: None
+        self._hf_checkpointing: Callable[[], None] = lambda: None  # puts the user's checkpointing back
         if self.max_cpu_gb is not None:
             check_host_ram(self.max_cpu_gb)
         self.engine: Engine | None = None
@@ -205,11 +206,12 @@ class MegaTrainStrategy(RankedStrategy):
         with init_on_meta(), self.precision_plugin.tensor_init_context(), InitRecorder() as recorder:
             yield
         if self.lightning_module is not None:
-            recorder.install_all(self.lightning_module)
+            recorder.install(self.lightning_module)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         user_code.refuse_weight_averaging(trainer)
+        self._hf_checkpointing = user_code.take_over_hf_checkpointing(trainer, self.activation_checkpointing)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -433,6 +435,8 @@ class MegaTrainStrategy(RankedStrategy):
                 self.engine.end_stopped_run()
         if self.lightning_module is not None:
             _move_buffers(self.lightning_module, torch.device("cpu"))
+        self._hf_checkpointing()  # the user's own back
+        self._hf_checkpointing = lambda: None
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

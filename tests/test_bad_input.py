@@ -61,6 +61,12 @@ def _two() -> UserLM:
     return module
 
 
+def _hf_checkpointing() -> UserLM:
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable()
+    return UserLM(model)
+
+
 class _NoRepeatedLayers(UserLM):
     def __init__(self) -> None:
         super().__init__(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
@@ -226,6 +232,13 @@ CASES = [
         "StochasticWeightAveraging",
         "does not support `StochasticWeightAveraging`",
         lambda t, f: lambda: _fit(t, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]),
+    ),
+    Case(
+        "gradient_checkpointing_enable() with activation_checkpointing=False",
+        "keeps every block's activations instead",
+        lambda t, f: (
+            lambda: _fit(t, MegaTrainStrategy(activation_checkpointing=False), module=_hf_checkpointing())
+        ),
     ),
     # devices and precision
     Case(

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from conftest import peak_rss_script, tiny_model, user_fit
+from conftest import UserLM, assert_same_training, peak_rss_script, tiny_model, user_fit
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy, open_checkpoint
@@ -59,6 +60,37 @@ def test_sharded_hf_model_streams_into_the_store(tmp_path, arch):
     assert all(isinstance(p, ParamPlaceholder) for p in module.parameters())  # never materialized
     expected = model(input_ids=ids).logits
     assert (logits - expected).abs().max() <= 1e-6
+
+
+class PretrainedInConfigureModel(UserLM):
+    """Loads its model in ``configure_model`` the usual Hugging Face way, then draws a value head."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(None)
+        self.directory = directory
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(self.directory)
+            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1)  # drawn after the load
+
+    def forward(self, batch: dict) -> Any:
+        out = self.model(**batch, output_hidden_states=True)
+        out.loss = out.loss + self.value_head(out.hidden_states[-1]).square().mean()
+        return out
+
+
+def test_hugging_faces_from_pretrained_in_configure_model_loads_as_under_the_default_strategy(tmp_path):
+    tiny_model("llama", seed=5).save_pretrained(tmp_path)
+    plain = user_fit(str(tmp_path), "auto", dicts=True, module_cls=PretrainedInConfigureModel)
+    with pytest.warns(
+        UserWarning, match="megatrain_lightning.from_pretrained.*streams|straight into the store"
+    ):
+        paged = user_fit(
+            str(tmp_path), MegaTrainStrategy(), dicts=True, module_cls=PretrainedInConfigureModel
+        )
+    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert all(isinstance(p, ParamPlaceholder) for p in paged.module.parameters())
 
 
 def test_a_model_built_on_meta_outside_lightning_reads_lazily(tmp_path):

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule, warmup_cosine
 from megatrain_lightning.presets import TINY_ARCHS, llama_config, tiny_config
-from megatrain_lightning.serialization.initialization import InitRecorder
+from megatrain_lightning.serialization.initialization import InitRecorder, initialize
 from megatrain_lightning.serialization.meta import init_on_meta
 
 REPO = Path(__file__).resolve().parents[1]
@@ -278,6 +278,10 @@ def test_same_seed_same_start_under_plain_and_megatrain(make_module):
     assert paged == pytest.approx(plain, rel=1e-6)
 
 
+def _unrecorded(module: torch.nn.Module) -> None:
+    raise AssertionError(f"{type(module).__name__} was not recorded")
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2_moe"])
 def test_recorded_meta_build_replays_to_the_plain_build(arch):
     """Replayed module by module in any order (as the store is filled), the recorded initialization gives
@@ -289,12 +293,12 @@ def test_recorded_meta_build_replays_to_the_plain_build(arch):
     with init_on_meta(), InitRecorder() as recorder, InitRecorder() as nested:  # e.g. strategy and module
         built = AutoModelForCausalLM.from_config(tiny_config(arch))
     nested.install(built)
-    recorder.install_all(built)
+    recorder.install(built)
     assert torch.equal(torch.get_rng_state(), after_plain)
     built.to_empty(device="cpu")
     built.tie_weights()
     for module in reversed(list(built.modules())):
-        built._init_weights(module)
+        initialize(module, model_init=_unrecorded)
     assert torch.equal(torch.get_rng_state(), after_plain)  # replaying draws nothing new
     expected, actual = plain.state_dict(), built.state_dict()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)

@@ -63,6 +63,25 @@ def test_grad_mode_dependent_forward_and_device_reads_are_exact(checkpointing):
     assert_same_training(plain, user_fit(_toy(), strategy))
 
 
+class BuildsInConfigureModel(UserLM):
+    """A user's module that builds a plain-PyTorch model in ``configure_model``."""
+
+    def __init__(self, _: None) -> None:
+        super().__init__(None)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = ToyLM()
+
+
+def test_a_plain_pytorch_model_built_in_configure_model_starts_from_the_plain_builds_weights():
+    plain = user_fit(None, "auto", module_cls=BuildsInConfigureModel)
+    paged = user_fit(
+        None, MegaTrainStrategy(block_classes=[GradModeLayer]), module_cls=BuildsInConfigureModel
+    )
+    assert_same_training(plain, paged)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_dropout_is_replayed_exactly_in_the_recompute(arch):
     dropout = (
@@ -220,6 +239,25 @@ def test_a_block_gets_the_models_cache_unless_it_is_recomputed(checkpointing):
     user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1)
     assert plain == ["DynamicCache"] * len(model.model.layers)
     assert caches == (["NoneType"] * 2 * len(plain) if checkpointing else plain)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hugging_face_checkpointing_is_taken_over_by_the_block_recompute(reentrant):
+    """A user's ``gradient_checkpointing_enable()``: the default strategy's training bitwise, each layer run
+    twice a step as under plain (not a recompute inside megatrain's), the user's checkpointing back after."""
+    runs: list[int] = []
+    model = tiny_model("llama")
+    with pytest.warns(FutureWarning):  # transformers 5 renames it activation_checkpointing_enable
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: runs.append(1))
+    plain = user_fit(model, "auto", dicts=True)
+    plain_runs, runs[:] = len(runs), []
+    paged = user_fit(model, MegaTrainStrategy(), dicts=True)
+    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert len(runs) == plain_runs == 2 * 4
+    layer = paged.module.model.model.layers[0]
+    assert layer.gradient_checkpointing
+    assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": reentrant}
 
 
 class AliasingHead(torch.nn.Module):

@@ -66,6 +66,7 @@ from megatrain_lightning.engine.slots import Pools, SlotLayout, slot_pools
 from megatrain_lightning.engine.trace import PendingBackwards, UpdateCadence
 from megatrain_lightning.engine.weights import StoredWeights
 from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
+from megatrain_lightning.serialization.initialization import initialize
 from megatrain_lightning.serialization.safetensors_io import read_into
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
@@ -277,16 +278,14 @@ class Engine:
     def _initialize(
         self, block: Block, views: list[Tensor], init_hf: Callable[[nn.Module], None] | None
     ) -> None:
-        """Initialize a block built on meta directly in the store, the way its model would."""
+        """Initialize a block built on meta directly in the store, as recorded when it was built (the plain
+        build's values) or else the way its model would."""
         params = [nn.Parameter(v, requires_grad=False) for v in views]
         bind(block, params)
         with torch.no_grad():
             for site in block.sites:
                 for module in site.module.modules():
-                    if init_hf is not None:
-                        init_hf(module)
-                    elif hasattr(module, "reset_parameters"):
-                        module.reset_parameters()
+                    initialize(module, init_hf)
 
     # -- what the module's side asks (see megatrain_lightning.engine.weights) --
 

@@ -2,8 +2,9 @@
 
 ``from_pretrained(dir)`` under megatrain builds the model on meta and remembers where its
 weights are; the engine then reads each tensor from its shard straight into its block's buffer
-in the store. ``export_hf(ckpt_dir, out_dir)`` streams a megatrain checkpoint back out as a
-``save_pretrained`` directory. Both read and write safetensors only: nothing is unpickled.
+in the store (Hugging Face's own ``from_pretrained`` there loads as under the default strategy:
+:func:`.meta.init_on_meta`). ``export_hf(ckpt_dir, out_dir)`` streams a megatrain checkpoint back out as
+a ``save_pretrained`` directory. Both read and write safetensors only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from megatrain_lightning.serialization.meta import building_on_meta, init_on_meta
+from megatrain_lightning.serialization.meta import building_for_real, building_on_meta, init_on_meta
 from megatrain_lightning.serialization.safetensors_io import (
     TensorEntry,
     read_header,
@@ -79,7 +80,8 @@ def from_pretrained(directory: str, lazy: bool | None = None) -> nn.Module:
     check_model_dir(directory)
     weights = WeightFiles.open(directory)  # a missing or truncated shard fails here, before any work
     if not (building_on_meta() if lazy is None else lazy):
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        with building_for_real():
+            return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     with init_on_meta():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
     setattr(model, WEIGHTS_ATTR, weights)

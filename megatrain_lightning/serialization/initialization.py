@@ -12,7 +12,6 @@ time, without ever holding the whole model.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatrain_lightning.serialization.meta import building_on_meta
 from megatrain_lightning.store.memory import host_empty
 
 # In-place ops that draw from the global generator (``generator=None``).
@@ -68,6 +68,8 @@ class InitRecorder(TorchDispatchMode):
         with InitRecorder() as recorder:
             model = AutoModelForCausalLM.from_config(config)
         recorder.install(model)
+        ...
+        initialize(module, model._init_weights)  # each module, once its parameters are real
     """
 
     def __init__(self) -> None:
@@ -95,7 +97,8 @@ class InitRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         target = args[0] if args else None
         if not (
-            isinstance(target, Tensor)
+            building_on_meta()  # not while suspended (Hugging Face's from_pretrained builds its own way)
+            and isinstance(target, Tensor)
             and target.is_meta
             and func._schema.is_mutable
             and not any(isinstance(a, Tensor) and a.is_meta for a in (*args[1:], *kwargs.values()))
@@ -124,46 +127,38 @@ class InitRecorder(TorchDispatchMode):
         self._keep.append(base)
         return func(*args, **kwargs)
 
-    def install_all(self, root: nn.Module) -> None:
-        """:meth:`install` on every outermost Hugging Face model inside ``root`` (e.g. a LightningModule
-        whose ``configure_model`` ran under the recorder)."""
-        from transformers import PreTrainedModel
-
-        models = [m for m in root.modules() if isinstance(m, PreTrainedModel)]
-        inner = {id(sub) for m in models for sub in list(m.modules())[1:]}
-        for model in models:
-            if id(model) not in inner:
-                self.install(model)
-
-    def install(self, model: nn.Module) -> None:
-        """Make ``model._init_weights`` (what megatrain's engine initializes a Hugging Face model's blocks
-        with) replay the recorded ops of each module's own parameters; modules added later keep the
-        original.
+    def install(self, root: nn.Module) -> None:
+        """Let every module inside ``root`` (e.g. a LightningModule whose ``configure_model`` ran under the
+        recorder) replay the recorded ops of its own parameters: :func:`initialize`. Modules added
+        later keep their own initialization.
 
         A parameter with several names (tied weights) replays under the first only; ops on tensors the
         finished model no longer holds (a head replaced by tying) were drawn and are dropped, as in plain.
         """
-        replays: dict[int, dict[str, list[_Op]]] = {}
         seen: set[int] = set()
-        for module in model.modules():
-            own = replays[id(module)] = {}
+        for module in root.modules():
+            own: dict[str, list[_Op]] = {}
             for name, param in module._parameters.items():
                 if param is None or id(param) in seen:
                     continue
                 seen.add(id(param))
                 own[name] = self._ops.get(id(param), [])
-        original = model._init_weights
-        model._init_weights = functools.partial(_replay, replays, original)
+            module.__dict__[_RECORDED] = own
 
 
-def _replay(
-    replays: dict[int, dict[str, list[_Op]]], original: Callable[[nn.Module], None], module: nn.Module
-) -> None:
-    """Give ``module``'s own parameters their recorded values; the generator is left as it was. Modules
-    that were not part of the recorded build get the model's own initialization."""
-    own = replays.get(id(module))
+_RECORDED = "_megatrain_recorded_init"  # a module's own parameters' recorded ops, by name
+
+
+def initialize(module: nn.Module, model_init: Callable[[nn.Module], None] | None) -> None:
+    """Give ``module``'s own parameters their recorded values, leaving the generator as it was; a module
+    that was not there when the recorder was installed gets its model's initialization (``model_init``,
+    e.g. Hugging Face's ``_init_weights``), else its own ``reset_parameters``."""
+    own = module.__dict__.get(_RECORDED)
     if own is None:
-        original(module)
+        if model_init is not None:
+            model_init(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
         return
     state = torch.get_rng_state()
     try:

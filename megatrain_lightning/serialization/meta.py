@@ -1,11 +1,15 @@
-"""Building models without memory: parameters on the meta device, buffers real."""
+"""Building models without memory: parameters on the meta device, buffers real; Hugging Face's
+``from_pretrained``, which loads values, builds for real."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Generator
+from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 _state = threading.local()
@@ -20,7 +24,8 @@ def building_on_meta() -> bool:
 def init_on_meta() -> Generator[None, None, None]:
     """Create parameters on the meta device and buffers for real (``init_empty_weights`` style):
     the store fills the parameters block by block; buffers such as rotary ``inv_freq`` keep their
-    computed values."""
+    computed values. Hugging Face's ``from_pretrained`` inside loads as it does outside
+    (:func:`_pretrained_loads_for_real`)."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -30,12 +35,62 @@ def init_on_meta() -> Generator[None, None, None]:
             module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
 
     outermost = not building_on_meta()
-    if outermost:
-        nn.Module.register_parameter = register_on_meta
-    _state.depth = getattr(_state, "depth", 0) + 1
+    with _pretrained_loads_for_real() if outermost else contextlib.nullcontext():
+        if outermost:
+            _state.plain_register = register
+            nn.Module.register_parameter = register_on_meta
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+            if outermost:
+                nn.Module.register_parameter = register
+
+
+@contextlib.contextmanager
+def building_for_real() -> Generator[None, None, None]:
+    """Suspend :func:`init_on_meta` inside it: parameters created here are real."""
+    depth = getattr(_state, "depth", 0)
+    if depth == 0:
+        yield
+        return
+    on_meta = nn.Module.register_parameter
+    nn.Module.register_parameter = _state.plain_register
+    _state.depth = 0
     try:
         yield
     finally:
-        _state.depth -= 1
-        if outermost:
-            nn.Module.register_parameter = register
+        _state.depth = depth
+        nn.Module.register_parameter = on_meta
+
+
+@contextlib.contextmanager
+def _pretrained_loads_for_real() -> Generator[None, None, None]:
+    """Hugging Face's ``from_pretrained`` inside a meta build (megatrain's ``configure_model``) loads its
+    weights as under the default strategy: built on meta they would be lost (and the ``kernels`` package
+    cannot kernelize a meta model). The whole model is then in RAM once before megatrain's store takes it
+    over, so a warning points to ``megatrain_lightning.from_pretrained``, which streams it block by block."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    load = original.__func__
+
+    @functools.wraps(load)
+    def loading(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not building_on_meta():
+            return load(cls, *args, **kwargs)
+        rank_zero_warn(
+            f"megatrain: `{cls.__name__}.from_pretrained` in `configure_model` loads the whole model into "
+            "RAM before megatrain's store takes it over, as under the default strategy; "
+            "`megatrain_lightning.from_pretrained(path)` reads each block's weights from the shards "
+            "straight into the store instead."
+        )
+        with building_for_real():
+            return load(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(loading)
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original
