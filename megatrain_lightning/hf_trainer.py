@@ -294,7 +294,7 @@ class Trainer:
                     monitor="step",
                     mode="max",
                     save_top_k=a.save_total_limit or -1,
-                    save_last=True,
+                    save_last="link",  # a link to the newest checkpoint, not a second copy of it
                     **every,
                 )
             )

@@ -22,7 +22,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine import chaos
-from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, is_checkpoint_dir
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir
+from megatrain_lightning.serialization.publish import is_checkpoint_dir
 from megatrain_lightning.serialization.safetensors_io import read_tensor
 
 EPOCHS = 3

@@ -24,10 +24,12 @@ from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.presets import tiny_config
 from megatrain_lightning.serialization.checkpoint import optimizer_block
-from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError, is_checkpoint_dir
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.hf import from_pretrained
+from megatrain_lightning.serialization.publish import is_checkpoint_dir
 from megatrain_lightning.serialization.safetensors_io import SafetensorsError, ShardWriter, sha256_file
+from megatrain_lightning.serialization.single_file import convert_checkpoint
 
 
 def _trainer(strategy=None, **kwargs) -> L.Trainer:
@@ -163,6 +165,69 @@ def test_export_console_command(tmp_path):
     assert (tmp_path / "hf" / "config.json").exists()
 
 
+def test_export_into_a_model_folder_keeps_its_other_files_and_replaces_its_weights(tmp_path):
+    module, trainer, path = _fit_and_save(tmp_path, steps=1)
+    out = tmp_path / "hf"
+    export_hf(path, str(out), max_shard_bytes=100_000)  # several shards and an index
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    (out / "tokenizer.json").write_text("{}")
+    (out / "extras").mkdir()
+    (out / "extras" / "card.md").write_text("mine")
+    export_hf(path, str(out))  # one file now: no shard of the first export stays
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "extras",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert (out / "extras" / "card.md").read_text() == "mine"
+    ids = torch.randint(0, 256, (2, 16))
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert (exported(input_ids=ids).logits - _logits(trainer, module, ids)).abs().max() <= 1e-6
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("target", ["a file", "a checkpoint", "the current folder", "inside the checkpoint"])
+def test_export_refuses_what_it_would_destroy_and_writes_nothing(tmp_path, monkeypatch, target):
+    _, _, path = _fit_and_save(tmp_path, steps=1)
+    (tmp_path / "file").write_text("mine")
+    out = {
+        "a file": tmp_path / "file",
+        "a checkpoint": tmp_path / "a.ckpt",
+        "the current folder": tmp_path,
+        "inside the checkpoint": tmp_path / "a.ckpt" / "hf",
+    }[target]
+    monkeypatch.chdir(tmp_path)
+    path = os.path.relpath(path) if target == "a checkpoint" else path  # the same folder, named otherwise
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(FileExistsError, match="nothing was written"):
+        export_hf(path, str(out))
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_saving_over_a_checkpoint_file_replaces_it_and_leaves_nothing_else(tmp_path):
+    (tmp_path / "a.ckpt").write_bytes(b"a checkpoint of the default strategy")
+    _fit_and_save(tmp_path, steps=1)
+    assert is_checkpoint_dir(tmp_path / "a.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir() if "a.ckpt" in p.name) == ["a.ckpt"]
+
+
+def test_long_checkpoint_work_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
+    """Saving, checking, exporting and converting show tqdm bars with the rate, for work large enough to
+    wait for (here the threshold is lowered to a tiny model's bytes; at the default, the tiny model's
+    saves show none)."""
+    _fit_and_save(tmp_path / "quiet", steps=1)
+    assert "B/s" not in capsys.readouterr().err
+    monkeypatch.setattr("megatrain_lightning.telemetry.progress.SHOWN_FROM_BYTES", 1)
+    _, _, path = _fit_and_save(tmp_path, steps=1)
+    export_hf(path, str(tmp_path / "hf"))
+    convert_checkpoint(path, str(tmp_path / "one.ckpt"))
+    err = capsys.readouterr().err
+    for work in ("saving a.ckpt", f"checking {path}", "exporting hf", f"writing {tmp_path / 'one.ckpt'}"):
+        assert work in err and "B/s" in err.split(work, 1)[1].split("\n", 1)[0], work
+
+
 def test_corrupt_or_foreign_checkpoints_are_refused_before_loading(tmp_path):
     _, _, path = _fit_and_save(tmp_path, steps=1)
     shard = os.path.join(path, "model", "block-00001.safetensors")
@@ -186,6 +251,12 @@ def test_corrupt_or_foreign_checkpoints_are_refused_before_loading(tmp_path):
         _trainer(max_steps=2, default_root_dir=tmp_path).fit(
             other, datamodule=TextDataModule(seq_len=32, batch_size=2), ckpt_path=path
         )
+
+
+def test_the_folder_of_the_checkpoints_given_instead_of_one_names_them(tmp_path):
+    _fit_and_save(tmp_path, steps=1)
+    with pytest.raises(CheckpointError, match=f"holds 1 checkpoint.*e.g. {tmp_path / 'a.ckpt'}"):
+        CheckpointDir.verify(tmp_path)
 
 
 def test_loading_never_unpickles_code(tmp_path):

@@ -19,7 +19,8 @@ import megatrain_lightning
 from megatrain_lightning import MegaTrainStrategy, convert_checkpoint, open_checkpoint
 from megatrain_lightning.cli import main as cli_main
 from megatrain_lightning.optim import codecs
-from megatrain_lightning.serialization.checkpoint_dir import CheckpointError, is_checkpoint_dir
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointError
+from megatrain_lightning.serialization.publish import is_checkpoint_dir
 
 TRAIN = token_batches(3)  # one epoch: three optimizer steps
 VAL = token_batches(2, seed=1)

@@ -187,3 +187,5 @@ def test_short_bf16_run_on_cpu_logs_with_hf_defaults_and_resumes(tmp_path, windo
     saved = sorted((p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")), key=lambda n: (len(n), n))
     assert saved == ["last.ckpt", *(f"checkpoint-{step}.ckpt" for step in (2, 4, 6, 7))]
     assert [saved_step(name) for name in saved] == [7, 2, 4, 6, 7]
+    last = tmp_path / "checkpoints" / "last.ckpt"  # the newest, not a second copy of it
+    assert last.is_symlink() and last.resolve() == (tmp_path / "checkpoints" / "checkpoint-7.ckpt").resolve()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -91,14 +90,15 @@ def _block_file(kind: str, block: int, shard: Shard | None = None) -> str:
 def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, Any], optimizer: Any) -> None:
     """Write a checkpoint directory, one block in memory at a time; on a failed write the partial copy is
     removed and the previous checkpoint stays (data parallel: :mod:`.ranked`)."""
-    check_free_space(path, checkpoint_bytes(engine, optimizer))
-    writer = CheckpointWriter(path)
+    need = checkpoint_bytes(engine, optimizer)
+    check_free_space(path, need)
+    writer = CheckpointWriter(path, expected_bytes=need)
     try:
         write_share(writer, engine, optimizer)
         write_rest(writer, engine, module, lightning_state, optimizer)
         writer.publish()
     except OSError as err:
-        shutil.rmtree(writer.tmp, ignore_errors=True)
+        writer.abandon()
         raise_write_failure(err, writer.path)
 
 

@@ -17,7 +17,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.serialization.hf import WeightFiles
-from megatrain_lightning.serialization.publish import FORMAT, LIGHTNING_STATE, MANIFEST, io_failure, recover
+from megatrain_lightning.serialization.publish import (
+    FORMAT,
+    LIGHTNING_STATE,
+    MANIFEST,
+    io_failure,
+    is_checkpoint_dir,
+    recover,
+)
 from megatrain_lightning.serialization.safetensors_io import (
     PiecedEntry,
     SafetensorsError,
@@ -25,20 +32,26 @@ from megatrain_lightning.serialization.safetensors_io import (
     read_header,
     sha256_file,
 )
+from megatrain_lightning.telemetry.progress import byte_progress
 
 
 class CheckpointError(MisconfigurationException):
     """A checkpoint is incomplete, corrupt or for another model; nothing was loaded."""
 
 
-def is_checkpoint_dir(path: str | os.PathLike) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
-
-
 def piece_name(name: str, first: int, whole: int) -> str:
     """A data-parallel checkpoint's name for elements ``first...`` of tensor ``name`` (``whole`` elements):
     what :meth:`CheckpointDir._assembled` reads back."""
     return f"{name}@{first}/{whole}"
+
+
+def _inside(path: str) -> str:
+    """A hint naming the checkpoints in a folder given instead of one (``.../checkpoints``)."""
+    found = sorted(name for name in os.listdir(path) if is_checkpoint_dir(os.path.join(path, name)))
+    if not found:
+        return ""
+    pick = "last.ckpt" if "last.ckpt" in found else found[-1]
+    return f" It holds {len(found)} checkpoint(s): give one of them, e.g. {os.path.join(path, pick)}."
 
 
 @dataclass(frozen=True)
@@ -62,7 +75,7 @@ class CheckpointDir:
             if err.errno != errno.ENOENT:
                 raise io_failure(err, path, writing=False) from err
             raise CheckpointError(
-                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err})."
+                f"{path} is not a complete megatrain checkpoint ({MANIFEST}: {err}).{_inside(path)}"
             ) from err
         except json.JSONDecodeError as err:
             raise CheckpointError(
@@ -71,21 +84,25 @@ class CheckpointDir:
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path}/{MANIFEST} does not describe a megatrain checkpoint.")
         rank, ranks = share or (0, 1)
-        for i, (relpath, info) in enumerate(sorted(manifest["files"].items())):
+        files = sorted(manifest["files"].items())
+        for relpath, info in files:
             file = os.path.join(path, relpath)
             if not os.path.isfile(file) or os.path.getsize(file) != info["bytes"]:
                 raise CheckpointError(f"{file} is missing or truncated; the checkpoint cannot be loaded.")
-            if i % ranks != rank:
-                continue
-            try:
-                point("ckpt.read", file)
-                digest = sha256_file(file)
-            except OSError as err:
-                raise io_failure(err, path, writing=False) from err
-            if digest != info["sha256"]:
-                raise CheckpointError(
-                    f"{file} does not match its checksum (corrupt); the checkpoint cannot be loaded."
-                )
+        mine = files[rank::ranks]
+        with byte_progress(sum(info["bytes"] for _, info in mine), f"checking {path}") as progress:
+            for relpath, info in mine:
+                file = os.path.join(path, relpath)
+                try:
+                    point("ckpt.read", file)
+                    digest = sha256_file(file)
+                except OSError as err:
+                    raise io_failure(err, path, writing=False) from err
+                if digest != info["sha256"]:
+                    raise CheckpointError(
+                        f"{file} does not match its checksum (corrupt); the checkpoint cannot be loaded."
+                    )
+                progress.update(info["bytes"])
         return cls(path, manifest)
 
     def weights(self) -> WeightFiles:

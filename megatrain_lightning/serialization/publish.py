@@ -22,6 +22,7 @@ from torch import Tensor
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.serialization.safetensors_io import ShardWriter, sha256_file
+from megatrain_lightning.telemetry.progress import byte_progress
 
 FORMAT = "megatrain-checkpoint"
 MANIFEST = "manifest.json"
@@ -56,10 +57,10 @@ def recover(target: str) -> None:
     ):
         if _alive(leftover.rsplit("-", 1)[1]):
             continue
-        if leftover.startswith(f"{target}.old-") and not os.path.exists(target):
+        if leftover.startswith(f"{target}.old-") and not os.path.lexists(target):
             os.rename(leftover, target)
         else:
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove_entry(leftover)
 
 
 def _alive(pid: str) -> bool:
@@ -77,21 +78,51 @@ def _alive(pid: str) -> bool:
     return True
 
 
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder holding a megatrain checkpoint's manifest."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_replaceable(target: str) -> None:
+    """Refuse to publish over a folder that is neither empty nor a megatrain checkpoint: it is the user's
+    (Lightning's default strategy refuses to save over a folder too). A file is replaced, as Lightning
+    overwrites a checkpoint file."""
+    if os.path.isdir(target) and os.listdir(target) and not is_checkpoint_dir(target):
+        raise CheckpointIOError(
+            errno.EEXIST,
+            f"megatrain: {target} is a folder that is not a megatrain checkpoint; nothing was written and "
+            "it is left as it was. Save the checkpoint to another path.",
+        )
+
+
 def replace_dir(new: str, target: str) -> None:
     """Move the complete directory ``new`` to ``target``, replacing what was there: in one step where the
     kernel swaps two paths (Linux ``renameat2``), else in two renames (see :func:`recover`)."""
-    if not os.path.exists(target):
+    if not os.path.lexists(target):
         os.rename(new, target)
         return
     point("ckpt.replace", target)
-    if _exchange(new, target):  # ``new`` now names the previous directory
-        shutil.rmtree(new, ignore_errors=True)
+    if _exchange(new, target):  # ``new`` now names the previous entry
+        remove_entry(new)
         return
     old = f"{target.rstrip(os.sep)}.old-{os.getpid()}"
     os.rename(target, old)
     point("ckpt.replace", target)
     os.rename(new, target)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_entry(old)
+
+
+def remove_entry(path: str) -> None:
+    """Remove a directory tree, or a file or link (a link is removed, not what it points to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -111,17 +142,20 @@ def _exchange(a: str, b: str) -> bool:
 class CheckpointWriter:
     """Collects the files of one checkpoint under a temporary name, then publishes them."""
 
-    def __init__(self, path: str, tmp: str | None = None) -> None:
+    def __init__(self, path: str, tmp: str | None = None, expected_bytes: int = 0) -> None:
         """``tmp``: join the temporary directory another process opened (a data-parallel save's rank 0),
-        writing files for it to publish; without, open one."""
+        writing files for it to publish; without, open one. ``expected_bytes``: this writer's share, for
+        its progress bar."""
         self.path = os.fspath(path).rstrip(os.sep)
         self.tmp = tmp or f"{self.path}.tmp-{os.getpid()}"
         if tmp is None:
             recover(self.path)
+            check_replaceable(self.path)
             for sub in ("model", "optimizer"):
                 os.makedirs(os.path.join(self.tmp, sub))
         self.files: dict[str, dict[str, Any]] = {}
         self.manifest: dict[str, Any] = {"format": FORMAT, "version": 1}
+        self.progress = byte_progress(expected_bytes, f"saving {os.path.basename(self.path)}")
 
     def shard(self, relpath: str, tensors: dict[str, Tensor]) -> None:
         with self.stream(relpath, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]) as writer:
@@ -163,6 +197,14 @@ class CheckpointWriter:
             f.flush()
             os.fsync(f.fileno())
         replace_dir(self.tmp, self.path)
+        self.progress.close()
+
+    def abandon(self) -> None:
+        """Remove the partial copy of a failed save."""
+        self.progress.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _record(self, relpath: str, sha256: str) -> None:
-        self.files[relpath] = {"bytes": os.path.getsize(os.path.join(self.tmp, relpath)), "sha256": sha256}
+        size = os.path.getsize(os.path.join(self.tmp, relpath))
+        self.files[relpath] = {"bytes": size, "sha256": sha256}
+        self.progress.update(size)

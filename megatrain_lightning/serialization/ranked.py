@@ -13,7 +13,6 @@ share; its checks and loads are collective in the same way (:func:`on_every_rank
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -42,8 +41,9 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
     writer, failure = None, None
     if first:
         try:
-            check_free_space(path, checkpoint_bytes(engine, optimizer))
-            writer = CheckpointWriter(path)
+            need = checkpoint_bytes(engine, optimizer)
+            check_free_space(path, need)
+            writer = CheckpointWriter(path, expected_bytes=need // engine.config.shard.world)
         except BaseException as err:
             failure = err
     tmp = _from_first(failure, writer.tmp if writer is not None else None, path)
@@ -59,7 +59,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
     reasons = [reason for _, reason in reports]
     if any(reasons):  # every rank knows: each raises, no rank waits for another
         if first:
-            shutil.rmtree(writer.tmp, ignore_errors=True)
+            writer.abandon()
         _raise_any(failure, reasons, writer.path)
     if first:
         for files, _ in reports:
@@ -68,7 +68,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
             writer.publish()
         except BaseException as err:
             failure = err
-            shutil.rmtree(writer.tmp, ignore_errors=True)
+            writer.abandon()
     _from_first(failure, None, path)
 
 

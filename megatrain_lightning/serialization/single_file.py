@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
 from megatrain_lightning.optim import codecs
 from megatrain_lightning.optim import state_dict as adam_state
@@ -20,6 +21,7 @@ from megatrain_lightning.serialization.checkpoint import MEGATRAIN_KEYS, optimiz
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
 from megatrain_lightning.serialization.safetensors_io import read_tensor
 from megatrain_lightning.store.preflight import available_ram_bytes
+from megatrain_lightning.telemetry.progress import byte_progress
 
 
 def open_checkpoint(path: str | os.PathLike) -> io.BytesIO:
@@ -50,15 +52,34 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> None:
         raise CheckpointError(f"{out} is a directory; name the single checkpoint file to write.")
     state = to_lightning(path, copies=1)
     tmp = f"{out}.tmp-{os.getpid()}"
+    tensors = [t for t in tree_flatten(state)[0] if isinstance(t, Tensor)]
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
+        with (
+            open(tmp, "wb") as f,
+            byte_progress(sum(t.nbytes for t in tensors), f"writing {out}") as progress,
+        ):
+            torch.save(state, _Counted(f, progress))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+class _Counted:
+    """A file that moves a progress bar by the bytes written through it (``torch.save`` only writes)."""
+
+    def __init__(self, file: Any, progress: Any) -> None:
+        self._file, self._progress = file, progress
+
+    def write(self, data: bytes) -> int:
+        written = self._file.write(data)
+        self._progress.update(written)
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
 
 
 def to_lightning(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
