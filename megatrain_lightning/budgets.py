@@ -4,6 +4,8 @@ this machine; the disk tier's folder, free space and cache are checked before an
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import os
 from typing import TYPE_CHECKING, Any
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.strategies import ParallelStrategy
 
 from megatrain_lightning.engine.runtime import EngineConfig
 from megatrain_lightning.engine.slots import OVERLAP, SlotLayout, mixed_fp32_numels, serial_blocks, slot_pools
@@ -34,6 +37,22 @@ if TYPE_CHECKING:
     from megatrain_lightning.strategy import MegaTrainStrategy
 
 _GB = 1e9
+
+
+def check_option_names(strategy: type, kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword neither ``strategy`` nor Lightning's ``ParallelStrategy`` takes (a typo such as
+    ``max_vram``), naming the closest option: Python's own ``TypeError`` would blame ``ParallelStrategy``."""
+    lightning = [name for name in inspect.signature(ParallelStrategy.__init__).parameters if name != "self"]
+    unknown = [name for name in kwargs if name not in lightning]
+    if not unknown:
+        return
+    own = [name for name in inspect.signature(strategy.__init__).parameters if name not in ("self", "kwargs")]
+    close = difflib.get_close_matches(unknown[0], own + lightning, n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    raise MisconfigurationException(
+        f"{strategy.__name__} has no option `{unknown[0]}`.{hint} Its options are listed in the README's "
+        f'"Options" section and in `help({strategy.__name__})`.'
+    )
 
 
 def compression_option(value: str | bool) -> str:

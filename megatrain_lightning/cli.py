@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +88,24 @@ def lightning_cli(args: list[str] | None = None, run: bool = True) -> LightningC
     )
 
 
+def _bounded(number: type[float] | type[int], least: float, strict: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of at least ``least`` (above it if ``strict``), so that a negative
+    size or a zero rate is a usage error naming the flag, not a plan computed from it."""
+    bound = f"{'more than' if strict else 'at least'} {least:g}"
+    kind = "an integer" if number is int else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind} {bound}, got {text!r}") from None
+        if not math.isfinite(value) or value < least or (strict and value == least):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
 def plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatrain plan",
@@ -99,20 +118,31 @@ def plan_parser() -> argparse.ArgumentParser:
         required=True,
         help="preset (tiny, 170m, 1b, 3b, 7b, 70b), a config.json or a model directory",
     )
-    add("--vram", type=float, required=True, help="GPU memory, GB")
-    add("--ram", type=float, required=True, help="host memory, GB")
-    add("--disk", type=float, default=0.0, help="free space for the disk tier, GB")
-    add("--pcie-gbps", type=float, default=25.0, help="host<->GPU bandwidth, GB/s")
-    add("--disk-gbps", type=float, default=6.0, help="disk bandwidth, GB/s")
-    add("--tflops", type=float, default=400.0, help="GPU compute in the compute dtype, TFLOP/s")
-    add("--update-gparams", type=float, default=5.0, help="the host's AdamW, G parameters updated per s")
-    add("--ranks", type=int, default=1, help="data parallel: ranks (GPUs) per node; figures per rank")
-    add("--nodes", type=int, default=1, help="data parallel: nodes")
-    add("--network-gbps", type=float, default=25.0, help="data parallel: each rank's collective GB/s")
-    add("--tokens-per-step", type=int, default=4096, help="tokens per optimizer step (on each rank)")
-    add("--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch (default: one per step)")
+    size, rate, count = _bounded(float, 0), _bounded(float, 0, strict=True), _bounded(int, 1)
+    add("--vram", type=size, required=True, help="GPU memory, GB")
+    add("--ram", type=size, required=True, help="host memory, GB")
+    add("--disk", type=size, default=0.0, help="free space for the disk tier, GB (default: none)")
+    add("--pcie-gbps", type=rate, default=25.0, help="host<->GPU bandwidth, GB/s")
+    add("--disk-gbps", type=rate, default=6.0, help="disk bandwidth, GB/s")
+    add("--tflops", type=rate, default=400.0, help="GPU compute in the compute dtype, TFLOP/s")
+    add("--update-gparams", type=rate, default=5.0, help="the host's AdamW, G parameters updated per s")
+    add("--ranks", type=count, default=1, help="data parallel: ranks (GPUs) per node; figures per rank")
+    add("--nodes", type=count, default=1, help="data parallel: nodes")
+    add("--network-gbps", type=rate, default=25.0, help="data parallel: each rank's collective GB/s")
+    add("--tokens-per-step", type=count, default=4096, help="tokens per optimizer step (on each rank)")
+    add(
+        "--micro-batch-tokens",
+        type=count,
+        default=None,
+        help="tokens per micro-batch (default: one per step)",
+    )
     add("--compute-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
-    add("--compression", choices=COMPRESSIONS, default="none", help="optimizer state of interest")
+    add(
+        "--compression",
+        choices=COMPRESSIONS,
+        default=None,
+        help="the lossiest optimizer state to recommend (default: any; `none`: fp32 only)",
+    )
     add("--no-activation-checkpointing", action="store_true", help="keep all activations")
     return parser
 
@@ -121,18 +151,16 @@ def plan_main(argv: list[str]) -> None:
     """``megatrain plan``: print the planner's table; a model it cannot read is a one-line usage error."""
     parser = plan_parser()
     a = parser.parse_args(argv)
-    if a.ranks < 1 or a.nodes < 1:
-        parser.error("--ranks and --nodes must be at least 1")
     speeds = (a.pcie_gbps, a.disk_gbps, a.tflops, a.update_gparams)
     machine = Machine(a.vram, a.ram, a.disk, *speeds, a.ranks, a.nodes, a.network_gbps)
     workload = Workload(
         a.tokens_per_step, a.micro_batch_tokens, a.compute_dtype, not a.no_activation_checkpointing
     )
     try:
-        plan = plan_for(a.model, machine, a.compression, workload)
+        plan = plan_for(a.model, machine, a.compression or "none", workload)
     except (ValueError, OSError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    print(format_plan(plan))
+    print(format_plan(plan, a.compression))
 
 
 def export_main(argv: list[str]) -> None:
@@ -159,7 +187,10 @@ def convert_main(argv: list[str]) -> None:
     parser.add_argument("checkpoint", help="a megatrain checkpoint directory (e.g. .../last.ckpt)")
     parser.add_argument("out", help="the .ckpt file to write")
     args = parser.parse_args(argv)
-    convert_checkpoint(args.checkpoint, args.out)
+    try:
+        convert_checkpoint(args.checkpoint, args.out)
+    except (CheckpointError, OSError) as err:  # as export's: a usage error; a bug keeps its traceback
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     print(f"wrote {args.out}")
 
 

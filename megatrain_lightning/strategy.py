@@ -130,6 +130,7 @@ class MegaTrainStrategy(RankedStrategy):
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
+        budgets.check_option_names(type(self), kwargs)
         super().__init__(
             accelerator=accelerator,
             start_method=start_method,

@@ -23,6 +23,7 @@ from torch import nn
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.models import CausalLMModule
+from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.publish import CheckpointIOError
 from megatrain_lightning.serialization.safetensors_io import SafetensorsError
 from megatrain_lightning.store.disk import DiskStore
@@ -80,6 +81,20 @@ def _checkpoint(tmp: Path, fixtures: dict[str, Any], change: Callable[[Path], No
     shutil.copytree(fixtures["checkpoint"], path)
     change(path)
     return path
+
+
+def _save_over(tmp: Path, target: Path) -> Callable[[], None]:
+    """Train a step, then save to ``target`` (a user's folder: it must be left as it was)."""
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    trainer = quiet_trainer(MegaTrainStrategy(), 1, [], default_root_dir=tmp / "run")
+    loader = torch.utils.data.DataLoader(token_batches(1), batch_size=None)
+    trainer.fit(UserLM(tiny_model("llama")), train_dataloaders=loader)
+    return lambda: trainer.save_checkpoint(target)
+
+
+def _export(checkpoint: Path, out: Path) -> Callable[[], None]:
+    return lambda: export_hf(str(checkpoint), str(out))
 
 
 def _resume(tmp: Path, path: Path, module: Any = None) -> Callable[[], None]:
@@ -208,6 +223,11 @@ CASES = [
         lambda t, f: lambda: MegaTrainStrategy(io_threads=0),
     ),
     Case(
+        "max_vram=2 (a misspelt option)",
+        "has no option `max_vram`. Did you mean `max_vram_gb`?",
+        lambda t, f: lambda: MegaTrainStrategy(max_vram=2),
+    ),
+    Case(
         "a model without repeated layers",
         "block_classes",
         lambda t, f: lambda: _fit(t, module=_NoRepeatedLayers()),
@@ -247,6 +267,18 @@ CASES = [
         lambda t, f: lambda: _fit(t, precision="64-true"),
     ),
     # checkpoints
+    Case(
+        "save_checkpoint to a folder that is not a checkpoint",
+        "is a folder that is not a megatrain checkpoint",
+        lambda t, f: _save_over(t, t / "mydata"),
+        CheckpointIOError,
+    ),
+    Case(
+        "megatrain export into the checkpoint (or a folder holding it)",
+        "is the checkpoint, or holds it or lies inside it",
+        lambda t, f: _export(_checkpoint(t, f), t),
+        FileExistsError,
+    ),
     Case(
         "a corrupt checkpoint (one byte changed)",
         "does not match its checksum",

@@ -182,6 +182,87 @@ def test_plan_usage_error_is_one_line_naming_the_presets(capsys):
     assert err.count("\n") == 1 and "13b" in err and "tiny, 170m, 1b, 3b, 7b, 70b" in err
 
 
+def _plan_lines(capsys, *args: str) -> list[str]:
+    main(["plan", "--model", "7b", "--vram", "8", "--ram", "64", *args])
+    return capsys.readouterr().out.splitlines()
+
+
+def test_plan_compression_bounds_the_recommendation(capsys):
+    """`--compression X`: the recommendation's optimizer state is no lossier than X, or the last line says
+    why X does not fit and which lossier one does."""
+    assert _plan_lines(capsys, "--disk", "500")[-1].startswith("recommended: megatrain int2 ")
+    assert _plan_lines(capsys, "--disk", "500", "--compression", "none")[-1].startswith(
+        "recommended: megatrain none with the store on disk"
+    )
+    assert _plan_lines(capsys, "--disk", "500", "--compression", "int4")[-1].startswith(
+        "recommended: megatrain int4 "
+    )
+    last = _plan_lines(capsys, "--disk", "80", "--compression", "none")[-1]
+    assert "--compression none (no lossier state): does not fit this machine" in last
+    assert "megatrain none needs 107.8 GB of disk (80.0 GB usable)" in last
+    assert last.endswith("megatrain int8 fits (--compression int8 allows it).")
+
+
+def test_plan_without_a_disk_says_none_was_given(capsys):
+    last = _plan_lines(capsys)[-1]
+    assert "does not fit this machine" in last and "no disk was given (--disk GB)" in last
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--vram", "-5", "must be at least 0, got -5"),
+        ("--ram", "-1", "must be at least 0, got -1"),
+        ("--disk", "-500", "must be at least 0, got -500"),
+        ("--disk", "inf", "must be at least 0, got inf"),
+        ("--tflops", "0", "must be more than 0, got 0"),
+        ("--ranks", "0", "must be at least 1, got 0"),
+        ("--tokens-per-step", "-4096", "must be at least 1, got -4096"),
+        ("--pcie-gbps", "fast", "expected a number more than 0, got 'fast'"),
+    ],
+)
+def test_plan_refuses_negative_sizes_as_usage_errors(capsys, flag, value, message):
+    argv = ["plan", "--model", "7b", "--vram", "8", "--ram", "64", flag, value]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"megatrain plan: error: argument {flag}: {message}"
+
+
+def test_plan_of_a_file_that_is_not_a_config_names_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", str(REPO / "README.md"), "--vram", "8", "--ram", "64"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "README.md' is a file but not a Hugging Face config.json" in err
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "missing.ckpt is not a megatrain checkpoint directory"),
+        ("out is a directory", "is a directory; name the single checkpoint file to write"),
+        ("disk full", "No space left on device"),
+    ],
+)
+def test_convert_refusals_are_usage_errors(tmp_path, capsys, monkeypatch, case, message):
+    """As `megatrain export`'s: one line and exit code 2 (a bug would keep its traceback)."""
+    checkpoint, out = tmp_path / "missing.ckpt", tmp_path / "out.ckpt"
+    if case == "out is a directory":
+        out.mkdir()
+    if case == "disk full":
+
+        def full(path, out):
+            raise OSError(28, "No space left on device", str(out))
+
+        monkeypatch.setattr("megatrain_lightning.cli.convert_checkpoint", full)
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", str(checkpoint), str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("megatrain convert: error: ") and message in err
+
+
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])

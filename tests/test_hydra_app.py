@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import inspect
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from conftest import fit, tiny_model
 from entry_points import run_command
 from hydra import compose, initialize
 from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import OmegaConf
 
@@ -206,3 +209,33 @@ def test_offload_folder_is_made_on_first_use_and_never_left_empty(tmp_path, monk
     with pytest.raises(MisconfigurationException, match="GB are free"):
         fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=folder), steps=1)
     assert not (tmp_path / "run").exists()
+
+
+def test_readme_checkpoint_command_keeps_the_best_checkpoints_too(tmp_path, monkeypatch):
+    """The README's and checkpoint.yaml's `save_top_k`/`monitor` overrides exist in the config and work."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["megatrain-train", "callbacks.checkpoint.save_top_k=3", "callbacks.checkpoint.monitor=val_loss"]
+    argv += ["strategy=megatrain", "trainer.max_steps=4", "hydra.run.dir=run", *FAST]
+    assert run_command(argv) == 0
+    saved = sorted(p.name for p in (tmp_path / "run/lightning_logs/version_0/checkpoints").iterdir())
+    assert "last.ckpt" in saved and len(saved) == 3, saved  # validated at steps 2 and 4, both kept
+
+
+def test_strategy_config_lists_every_option_with_the_strategys_default(plugin_configs):
+    """Every MegaTrainStrategy argument can be overridden (`strategy.io_threads=2`), from its own default,
+    and the README's "Options" table names each; Lightning's own objects (accelerator, cluster
+    environment, precision plugin) come from the Trainer, not the config."""
+    from_lightning = {"self", "kwargs", "accelerator", "cluster_environment", "precision_plugin"}
+    params = inspect.signature(MegaTrainStrategy.__init__).parameters
+    defaults = {name: p.default for name, p in params.items() if name not in from_lightning}
+    for group in ("megatrain", "megatrain_nvme"):
+        strategy = compose("train", [f"strategy={group}"]).strategy
+        assert set(strategy) - {"_target_"} == set(defaults), group
+    config = compose("train", ["strategy=megatrain"]).strategy
+    assert {
+        k: instantiate(v) if k == "timeout" else v for k, v in config.items() if k != "_target_"
+    } == defaults
+    options = (REPO / "README.md").read_text().split("\n## Options", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)?", options, re.M))
+    assert set(defaults) <= {name for pair in named for name in pair}
+    compose("train", [f"strategy.{name}=1" for name in ("io_threads", "io_chunk_mb", "optimizer_threads")])

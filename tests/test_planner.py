@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.slots import RUN_ALIGN, SlotLayout
 from megatrain_lightning.planner.plan import (
+    COMPRESSIONS,
     RESERVE,
     Machine,
     ModelShape,
@@ -21,6 +22,7 @@ from megatrain_lightning.planner.plan import (
     load_shape,
     plan_for,
     recommend,
+    shortfalls,
 )
 from megatrain_lightning.planner.table import LEGEND, format_plan
 from megatrain_lightning.presets import llama_config, tiny_config
@@ -189,6 +191,26 @@ def test_70b_does_not_fit_a_small_machine():
     plan = plan_for("70b", Machine(24, 64, 100))
     assert not any(r.fits for r in plan.rows) and recommend(plan) is None
     assert "does not fit" in format_plan(plan)
+
+
+@pytest.mark.parametrize(
+    "machine", [Machine(8, 64, 500), Machine(8, 64, 80), Machine(8, 64), Machine(4, 16, 40)]
+)
+def test_recommendation_is_no_lossier_than_asked_or_says_what_is_short(machine):
+    plan = plan_for("7b", machine)
+    for asked in COMPRESSIONS:
+        best = recommend(plan, asked)
+        last = format_plan(plan, asked).splitlines()[-1]
+        if best is not None:
+            assert COMPRESSIONS.index(best.method.split()[-1]) <= COMPRESSIONS.index(asked)
+            assert last.startswith(f"recommended: {best.method} ")
+            continue
+        least = plan.row(f"megatrain {asked}")  # the one needing least of those allowed
+        short = shortfalls(least, machine)
+        assert short and all(what in last for what, _, _ in short), last
+        assert ("no disk was given" in last) == (machine.disk_gb == 0 and "disk" in [w for w, _, _ in short])
+        lossier = recommend(plan)
+        assert (lossier is not None) == ("--compression" in last.split("fit this machine")[1])
 
 
 def test_shapes_from_files_modules_and_moe(tmp_path):

@@ -48,6 +48,16 @@ def test_instance_with_options():
     assert _trainer(strategy).strategy is strategy
 
 
+def test_lightnings_own_keywords_pass_and_a_misspelt_option_names_the_closest():
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    io = TorchCheckpointIO()
+    strategy = MegaTrainStrategy(parallel_devices=[torch.device("cpu")], checkpoint_io=io)
+    assert strategy.checkpoint_io is io and strategy.parallel_devices == [torch.device("cpu")]
+    with pytest.raises(MisconfigurationException, match="no option `io_thread`. Did you mean `io_threads`"):
+        MegaTrainStrategy(io_thread=2)
+
+
 def test_weights_move_into_the_store_and_the_originals_are_freed():
     model = tiny_model("gpt2")
     originals = [weakref.ref(p) for p in model.parameters()]

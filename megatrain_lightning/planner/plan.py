@@ -354,11 +354,28 @@ def _row(
     return Row(method, gpu / GB, host / GB, disk / GB, fits, step_s, bound_by, settings, network / GB)
 
 
-def recommend(plan: Plan) -> Row | None:
-    """The megatrain row to use: the least compression whose store fits in RAM, else the fitting row
-    with the shortest step bound (disk traffic shrinks with the state); ``None`` when none fits."""
-    fitting = [r for r in (plan.row(f"megatrain {c}") for c in COMPRESSIONS) if r.fits]
+def allowed(lossiest: str | None) -> tuple[str, ...]:
+    """The compressions no lossier than ``lossiest`` (``None``: all), least lossy first."""
+    return COMPRESSIONS if lossiest is None else COMPRESSIONS[: COMPRESSIONS.index(lossiest) + 1]
+
+
+def recommend(plan: Plan, lossiest: str | None = None) -> Row | None:
+    """The megatrain row to use, of the compressions no lossier than ``lossiest`` (a user's bound on the
+    optimizer state's loss; ``None``: any): the least compression whose store fits in RAM, else the fitting
+    row with the shortest step bound (disk traffic shrinks with the state); ``None`` when none fits."""
+    fitting = [r for r in (plan.row(f"megatrain {c}") for c in allowed(lossiest)) if r.fits]
     on_host = [r for r in fitting if r.settings is not None and r.settings.tier == "host"]
     if on_host:
         return on_host[0]
     return min(fitting, key=lambda r: r.step_s, default=None)
+
+
+def shortfalls(row: Row, machine: Machine) -> list[tuple[str, float, float]]:
+    """What ``row`` needs beyond ``machine`` (one rank's share of it), as ``(what, need GB, have GB)``
+    with ``what`` one of ``"GPU"``, ``"RAM"``, ``"disk"``: the same bounds as the row's ``fits``."""
+    have = (
+        ("GPU", row.gpu_gb, machine.vram_gb * (1 - RESERVE)),
+        ("RAM", row.host_gb, machine.ram_gb * (1 - RESERVE) / machine.ranks_per_node),
+        ("disk", row.disk_gb, machine.disk_gb / machine.ranks_per_node),
+    )
+    return [(what, need, limit) for what, need, limit in have if need > limit]

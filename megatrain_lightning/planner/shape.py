@@ -135,7 +135,13 @@ def _load_config(spec: str) -> PretrainedConfig:
         return llama_config(spec)
     path = Path(spec)
     if path.is_file():
-        return resolve_config(json.loads(path.read_text()))[0]
+        try:
+            return resolve_config(json.loads(path.read_text()))[0]
+        except (ValueError, TypeError) as err:  # not JSON, not UTF-8, or JSON but no model config
+            raise ValueError(
+                f"model {spec!r} is a file but not a Hugging Face config.json ({err}); give a preset "
+                f"({', '.join(PRESETS)}), a model's config.json or its directory"
+            ) from err
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
     raise ValueError(

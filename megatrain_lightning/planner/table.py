@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatrain_lightning.planner.plan import RESERVE, Plan, recommend
+from megatrain_lightning.planner.plan import RESERVE, Plan, allowed, recommend, shortfalls
 from megatrain_lightning.store.sizing import min_cache_bytes
 
 
@@ -34,8 +34,9 @@ NETWORK_LEGEND = (  # data parallel only, as its column
 )
 
 
-def format_plan(plan: Plan) -> str:
-    """The plan as a plain-text table, with one line each on the model, the machine and the workload."""
+def format_plan(plan: Plan, lossiest: str | None = None) -> str:
+    """The plan as a plain-text table, with one line each on the model, the machine and the workload, and
+    the recommendation: a compression no lossier than ``lossiest`` (``None``: any), or why none fits."""
     m, mach, w = plan.model, plan.machine, plan.workload
     lines = [
         f"model: {_count(m.num_params)} params in {m.num_blocks} blocks, largest {_count(m.largest_block)} "
@@ -99,10 +100,10 @@ def format_plan(plan: Plan) -> str:
     lines += ["", *LEGEND, *(NETWORK_LEGEND if mach.ranks > 1 else ())]
     least = min_cache_bytes(m.largest_block)
     lines += ["", f"disk tier: `max_cpu_gb` >= {_gb(least / 1e9)} GB (the store chunks in use at once)."]
-    best = recommend(plan)
+    best = recommend(plan, lossiest)
     lines.append("")
     if best is None or best.settings is None:
-        lines.append("megatrain: does not fit this machine; add RAM, a larger disk or GPU memory.")
+        lines.append(_does_not_fit(plan, lossiest))
     else:
         s = best.settings
         where = "in host RAM" if s.tier == "host" else f"on disk, {_gb(s.cache_gb)} GB cached in RAM"
@@ -112,3 +113,22 @@ def format_plan(plan: Plan) -> str:
             f"prefetch depth {s.prefetch_depth}"
         )
     return "\n".join(lines)
+
+
+def _does_not_fit(plan: Plan, lossiest: str | None) -> str:
+    """Why no allowed megatrain row fits: what the one needing least lacks (a disk not given named as such),
+    and the least lossy compression that would fit, where ``lossiest`` ruled it out."""
+    row = plan.row(f"megatrain {allowed(lossiest)[-1]}")
+    needs = []
+    for what, need, have in shortfalls(row, plan.machine):
+        if what == "disk" and plan.machine.disk_gb == 0:
+            needs.append(f"{_gb(need)} GB of disk for its disk tier, and no disk was given (--disk GB)")
+        else:
+            needs.append(f"{_gb(need)} GB of {what} ({_gb(have)} GB usable)")
+    asked = "megatrain" if lossiest is None else f"megatrain with --compression {lossiest} (no lossier state)"
+    lacks = " and ".join(needs) or "more than it has"
+    line = f"{asked}: does not fit this machine: {row.method} needs {lacks}; "
+    lossier = next((r for r in plan.rows if r.settings is not None and r.fits), None)  # the least lossy
+    if lossiest is not None and lossier is not None:
+        return line + f"{lossier.method} fits (--compression {lossier.method.split()[-1]} allows it)."
+    return line + "add RAM, a larger disk or GPU memory."
