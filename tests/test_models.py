@@ -206,16 +206,11 @@ def test_hydra_configs_compose():
         assert cfg.strategy._target_ == "megatrain_lightning.MegaTrainStrategy"
         # The default pages the store through a folder of the run; `strategy=megatrain` keeps it in RAM.
         assert OmegaConf.to_container(cfg.strategy)["offload_dir"] == "${hydra:runtime.output_dir}/offload"
-        cfg = compose(config_name="train", overrides=["strategy=megatrain"])
-        assert dict(cfg.strategy) == {
-            "_target_": "megatrain_lightning.MegaTrainStrategy",
-            "max_vram_gb": None,
-            "max_cpu_gb": None,
-            "offload_dir": None,
-            "optimizer_compression": "none",
-            "activation_checkpointing": True,
-            "prefetch_depth": "auto",
-        }
+        cfg = compose(config_name="train", overrides=["strategy=megatrain"])  # every option: test_hydra_app
+        assert (
+            cfg.strategy._target_ == "megatrain_lightning.MegaTrainStrategy"
+            and cfg.strategy.offload_dir is None
+        )
         assert cfg.model.model == "llama" and cfg.data.path is None
         assert compose(config_name="train", overrides=["strategy=plain"]).strategy == "auto"
         for name in ("tiny_gpt2", "tiny_moe", "llama_170m", "llama_1b", "llama_7b", "llama_70b"):
