@@ -214,7 +214,7 @@ def test_saving_over_a_checkpoint_file_replaces_it_and_leaves_nothing_else(tmp_p
 
 
 def test_long_checkpoint_work_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
-    """Saving, checking, exporting and converting show tqdm bars with the rate, for work large enough to
+    """Loading weights, saving, checking, exporting and converting show tqdm bars with the rate, for work large enough to
     wait for (here the threshold is lowered to a tiny model's bytes; at the default, the tiny model's
     saves show none)."""
     _fit_and_save(tmp_path / "quiet", steps=1)
@@ -224,7 +224,8 @@ def test_long_checkpoint_work_shows_a_progress_bar(tmp_path, monkeypatch, capsys
     export_hf(path, str(tmp_path / "hf"))
     convert_checkpoint(path, str(tmp_path / "one.ckpt"))
     err = capsys.readouterr().err
-    for work in ("saving a.ckpt", f"checking {path}", "exporting hf", f"writing {tmp_path / 'one.ckpt'}"):
+    works = ("loading weights into the store", "saving a.ckpt", f"checking {path}", "exporting hf")
+    for work in (*works, f"writing {tmp_path / 'one.ckpt'}"):
         assert work in err and "B/s" in err.split(work, 1)[1].split("\n", 1)[0], work
 
 

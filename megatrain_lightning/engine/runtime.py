@@ -72,6 +72,7 @@ from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
+from megatrain_lightning.telemetry.progress import byte_progress
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
@@ -229,6 +230,7 @@ class Engine:
         init_hf = found[1]._init_weights if found is not None else None
         sources = weight_sources(model)
         missing = []
+        progress = byte_progress(4 * sum(b.numel for b in self.blocks), "loading weights into the store")
         for block in self.blocks:
             originals = [self._current_param(block, i) for i in range(len(block.params))]
             for index, original in enumerate(originals):
@@ -242,7 +244,7 @@ class Engine:
             with self.store.rewriting(block.index) as flat:
                 views = block.views(flat)
                 if unfilled:
-                    self._initialize(block, views, init_hf)
+                    _initialize_block(block, views, init_hf)
                 for view, original, entry in zip(views, originals, stored, strict=True):
                     if entry is not None:
                         read_into(entry, view)
@@ -263,6 +265,8 @@ class Engine:
             ]
             self.weights.placeholders.append(placeholders)
             bind(block, placeholders)
+            progress.update(4 * block.numel)
+        progress.close()
         if sources and missing:
             log.warning(
                 f"megatrain: {len(missing)} parameters are not in the checkpoint; initialized: {missing[:5]}"
@@ -274,18 +278,6 @@ class Engine:
                 if binding.index == spec_index:
                     return binding.owner._parameters[binding.attr]
         raise AssertionError("every block parameter has a binding")
-
-    def _initialize(
-        self, block: Block, views: list[Tensor], init_hf: Callable[[nn.Module], None] | None
-    ) -> None:
-        """Initialize a block built on meta directly in the store, as recorded when it was built (the plain
-        build's values) or else the way its model would."""
-        params = [nn.Parameter(v, requires_grad=False) for v in views]
-        bind(block, params)
-        with torch.no_grad():
-            for site in block.sites:
-                for module in site.module.modules():
-                    initialize(module, init_hf)
 
     # -- what the module's side asks (see megatrain_lightning.engine.weights) --
 
@@ -429,6 +421,16 @@ class Engine:
             self.grads.offload(block.index, found, last_use, ready)
         else:
             ready()
+
+
+def _initialize_block(block: Block, views: list[Tensor], init_hf: Callable[[nn.Module], None] | None) -> None:
+    """A meta-built block initialized in the store: as recorded (the plain build's values) or by its model."""
+    params = [nn.Parameter(v, requires_grad=False) for v in views]
+    bind(block, params)
+    with torch.no_grad():
+        for site in block.sites:
+            for module in site.module.modules():
+                initialize(module, init_hf)
 
 
 def _nothing() -> None:
