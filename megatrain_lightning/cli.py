@@ -169,7 +169,9 @@ def export_main(argv: list[str]) -> None:
     )
     parser.add_argument("checkpoint", help="a megatrain checkpoint directory (e.g. .../last.ckpt)")
     parser.add_argument("out", help="the Hugging Face model directory to write")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0)
+    parser.add_argument(
+        "--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB (default 5)"
+    )
     args = parser.parse_args(argv)
     try:
         export_hf(args.checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 1e9))

@@ -125,6 +125,22 @@ def test_monitor_logs_each_optimizer_step_and_draws_the_timeline(tmp_path, strat
     assert f"wrote the timeline of optimizer step 1 to {monitor.last_timeline}" in "\n".join(messages.lines)
 
 
+def test_a_timeline_step_the_run_never_reaches_is_warned_about():
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        callbacks=[MegaTrainMonitor(timeline_step=5)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(
+        UserWarning, match="timeline_step=5 is not among this run's optimizer steps \\(0 to 1\\)"
+    ):
+        trainer.fit(CausalLMModule("llama"), datamodule=TextDataModule(seq_len=32, batch_size=2))
+
+
 class _Messages(logging.Handler):
     """The messages Lightning's logger passes on, whatever its level is set to."""
 

@@ -69,6 +69,15 @@ class MegaTrainMonitor(pl.Callback):
         self._recording = False
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step, first, end = self.timeline_step, trainer.global_step, trainer.max_steps
+        if step is not None and (step < first or 0 <= end <= step):
+            rank_zero_warn(
+                f"MegaTrainMonitor: timeline_step={step} is not among this run's optimizer steps ({first} "
+                f"to {end - 1 if end >= 0 else 'the end'}), so no timeline will be drawn; pick one of them."
+            )
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
