@@ -10,8 +10,13 @@ import shutil
 
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir
 from megatrain_lightning.serialization.hf import INDEX_NAME, SINGLE_NAME
-from megatrain_lightning.serialization.publish import is_checkpoint_dir, remove_entry, replace_dir
-from megatrain_lightning.serialization.safetensors_io import ShardWriter, read_tensor
+from megatrain_lightning.serialization.publish import is_checkpoint_dir, recover, remove_entry, replace_dir
+from megatrain_lightning.serialization.safetensors_io import (
+    PiecedEntry,
+    ShardWriter,
+    TensorEntry,
+    read_tensor,
+)
 from megatrain_lightning.telemetry.progress import byte_progress
 
 # What an earlier save of the weights left, replaced by this one (as ``save_pretrained`` removes them).
@@ -24,6 +29,7 @@ def export_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> No
     its other files (a tokenizer, a model card) stay, the earlier weights and config are replaced; the
     whole folder is swapped in at once, so a failed export leaves it as it was."""
     ckpt = CheckpointDir.verify(ckpt_dir)
+    recover(out_dir)  # what a killed export left
     _check_out_dir(ckpt.path, out_dir)
     config = ckpt.hf_config()
     prefix = ckpt.manifest["hf_prefix"]
@@ -42,7 +48,9 @@ def export_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> No
         raise
 
 
-def _write_weights(entries: dict, tmp: str, max_shard_bytes: int, name: str) -> None:
+def _write_weights(
+    entries: dict[str, TensorEntry | PiecedEntry], tmp: str, max_shard_bytes: int, name: str
+) -> None:
     shards: list[list[str]] = [[]]
     size = 0
     for tensor, entry in entries.items():
