@@ -226,7 +226,9 @@ def test_long_checkpoint_work_shows_a_progress_bar(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     works = ("loading weights into the store", "saving a.ckpt", f"checking {path}", "exporting hf")
     for work in (*works, f"writing {tmp_path / 'one.ckpt'}"):
-        assert work in err and "B/s" in err.split(work, 1)[1].split("\n", 1)[0], work
+        assert work in err, work
+        last = err.rsplit(work, 1)[1].split("\n", 1)[0]  # the bar as it closed
+        assert "100%" in last and "B/s" in last, (work, last)
 
 
 def test_corrupt_or_foreign_checkpoints_are_refused_before_loading(tmp_path):

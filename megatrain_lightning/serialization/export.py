@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -94,9 +93,8 @@ def _check_out_dir(ckpt: str, out_dir: str) -> None:
     else:
         return
     raise FileExistsError(
-        errno.EEXIST,
         f"megatrain: {out_dir} {problem}; nothing was written. Export to a new folder, or to a "
-        "Hugging Face model folder (its other files stay, its weights are replaced)",
+        "Hugging Face model folder (its other files stay, its weights are replaced)."
     )
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.serialization.safetensors_io import ShardWriter, sha256_file
-from megatrain_lightning.telemetry.progress import byte_progress
+from megatrain_lightning.telemetry.progress import byte_progress, finish
 
 FORMAT = "megatrain-checkpoint"
 MANIFEST = "manifest.json"
@@ -197,7 +197,7 @@ class CheckpointWriter:
             f.flush()
             os.fsync(f.fileno())
         replace_dir(self.tmp, self.path)
-        self.progress.close()
+        finish(self.progress)
 
     def abandon(self) -> None:
         """Remove the partial copy of a failed save."""

@@ -21,7 +21,7 @@ from megatrain_lightning.serialization.checkpoint import MEGATRAIN_KEYS, optimiz
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
 from megatrain_lightning.serialization.safetensors_io import read_tensor
 from megatrain_lightning.store.preflight import available_ram_bytes
-from megatrain_lightning.telemetry.progress import byte_progress
+from megatrain_lightning.telemetry.progress import byte_progress, finish
 
 
 def open_checkpoint(path: str | os.PathLike) -> io.BytesIO:
@@ -61,6 +61,7 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> None:
             torch.save(state, _Counted(f, progress))
             f.flush()
             os.fsync(f.fileno())
+            finish(progress)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

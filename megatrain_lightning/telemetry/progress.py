@@ -12,8 +12,8 @@ SHOWN_FROM_BYTES = 1 << 30  # about a second of disk work: less is not waited fo
 
 
 def byte_progress(total: int, description: str) -> Any:
-    """A tqdm bar over ``total`` bytes (a context manager; ``update(nbytes)``), disabled for less than
-    :data:`SHOWN_FROM_BYTES` and off rank 0."""
+    """A tqdm bar over about ``total`` bytes (a context manager; ``update(nbytes)``, :func:`finish`),
+    disabled for less than :data:`SHOWN_FROM_BYTES` and off rank 0."""
     from tqdm.auto import tqdm
 
     return tqdm(
@@ -24,3 +24,10 @@ def byte_progress(total: int, description: str) -> Any:
         dynamic_ncols=True,
         disable=total < SHOWN_FROM_BYTES or rank_zero_only.rank != 0,
     )
+
+
+def finish(progress: Any) -> None:
+    """Close a bar at 100% of what was done: the bytes written (file headers, pickled state) differ a little
+    from the tensors' bytes it was sized by."""
+    progress.total = progress.n
+    progress.close()
