@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -48,7 +47,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from megatrain_lightning.engine.blocks import CallSite, bind, discover_blocks
+from megatrain_lightning.engine.adopt import adopt
+from megatrain_lightning.engine.blocks import CallSite, discover_blocks
 from megatrain_lightning.engine.distributed import (
     Shard,
     ShardedDiskStore,
@@ -60,23 +60,17 @@ from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews, ShadowViews
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
-from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
+from megatrain_lightning.engine.placeholders import weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
 from megatrain_lightning.engine.slots import Pools, SlotLayout, slot_pools
 from megatrain_lightning.engine.trace import PendingBackwards, UpdateCadence
 from megatrain_lightning.engine.weights import StoredWeights
-from megatrain_lightning.serialization.hf import find_entry, hf_model, weight_sources
-from megatrain_lightning.serialization.initialization import initialize
-from megatrain_lightning.serialization.safetensors_io import read_into
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.io import IOConfig
 from megatrain_lightning.store.layout import Block
-from megatrain_lightning.telemetry.progress import byte_progress
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -164,7 +158,7 @@ class Engine:
         self.config = config
         self.pager = self._make_pager(config)
         if not weights.placeholders:
-            self._adopt(model)
+            adopt(self, model)
             weights.install_hooks()
         weights.attach(self)
         # Gradients and optimizer state are this engine's: freed with it (the weights stay with the module).
@@ -218,66 +212,6 @@ class Engine:
             )
         pools = slot_pools(layout.block_bytes) if config.slot_pools is None else config.slot_pools
         return Pager(self.store, config.device, layout, pools, config.prefetch_depth, self.stats)
-
-    # -- taking the model over --
-
-    def _adopt(self, model: nn.Module) -> None:
-        """Move each block's weights into the store (or initialize them there) and leave meta parameters."""
-        aliases: dict[int, list[str]] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(param), []).append(name)
-        found = hf_model(model)
-        init_hf = found[1]._init_weights if found is not None else None
-        sources = weight_sources(model)
-        missing = []
-        progress = byte_progress(4 * sum(b.numel for b in self.blocks), "loading weights into the store")
-        for block in self.blocks:
-            originals = [self._current_param(block, i) for i in range(len(block.params))]
-            for index, original in enumerate(originals):
-                for name in aliases[id(original)]:
-                    self.locations[name] = (block.index, index)
-            stored = [find_entry(sources, aliases[id(p)]) if p.is_meta else None for p in originals]
-            unfilled = [
-                s.name for s, p, e in zip(block.params, originals, stored, strict=True) if p.is_meta and not e
-            ]
-            missing += unfilled
-            with self.store.rewriting(block.index) as flat:
-                views = block.views(flat)
-                if unfilled:
-                    _initialize_block(block, views, init_hf)
-                for view, original, entry in zip(views, originals, stored, strict=True):
-                    if entry is not None:
-                        read_into(entry, view)
-                    elif not original.is_meta:
-                        view.copy_(original.detach())
-            placeholders = [
-                ParamPlaceholder.make_parameter(
-                    self.weights,
-                    block.index,
-                    index,
-                    spec.name,
-                    shape=spec.shape,
-                    dtype=torch.float32,
-                    device=self.config.device,
-                    requires_grad=spec.requires_grad,
-                )
-                for index, spec in enumerate(block.params)
-            ]
-            self.weights.placeholders.append(placeholders)
-            bind(block, placeholders)
-            progress.update(4 * block.numel)
-        progress.close()
-        if sources and missing:
-            log.warning(
-                f"megatrain: {len(missing)} parameters are not in the checkpoint; initialized: {missing[:5]}"
-            )
-
-    def _current_param(self, block: Block, spec_index: int) -> nn.Parameter:
-        for site in block.sites:
-            for binding in site.bindings:
-                if binding.index == spec_index:
-                    return binding.owner._parameters[binding.attr]
-        raise AssertionError("every block parameter has a binding")
 
     # -- what the module's side asks (see megatrain_lightning.engine.weights) --
 
@@ -421,16 +355,6 @@ class Engine:
             self.grads.offload(block.index, found, last_use, ready)
         else:
             ready()
-
-
-def _initialize_block(block: Block, views: list[Tensor], init_hf: Callable[[nn.Module], None] | None) -> None:
-    """A meta-built block initialized in the store: as recorded (the plain build's values) or by its model."""
-    params = [nn.Parameter(v, requires_grad=False) for v in views]
-    bind(block, params)
-    with torch.no_grad():
-        for site in block.sites:
-            for module in site.module.modules():
-                initialize(module, init_hf)
 
 
 def _nothing() -> None:
