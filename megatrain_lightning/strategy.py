@@ -211,7 +211,7 @@ class MegaTrainStrategy(RankedStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        user_code.refuse_weight_averaging(trainer)
+        user_code.check_before_training(trainer)
         self._hf_checkpointing = user_code.take_over_hf_checkpointing(trainer, self.activation_checkpointing)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)

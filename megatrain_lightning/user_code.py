@@ -1,6 +1,7 @@
-"""What megatrain reads from the user's Trainer and LightningModule before it trains: callbacks it cannot
-serve, whether user code looks at the summed gradients before the optimizer step, and Hugging Face's own
-activation checkpointing, which megatrain's block recompute takes over."""
+"""What megatrain reads from the user's Trainer and LightningModule before it trains: what it cannot serve
+(weight-averaging callbacks, compiled modules, router logits from inside the layers), weights it trains
+otherwise than cast, whether user code looks at the summed gradients before the optimizer step, and
+Hugging Face's own activation checkpointing, which megatrain's block recompute takes over."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 _GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")  # where users read gradients
 
@@ -28,7 +31,18 @@ def reads_final_gradients(trainer: pl.Trainer) -> bool:
     )
 
 
-def refuse_weight_averaging(trainer: pl.Trainer) -> None:
+def check_before_training(trainer: pl.Trainer) -> None:
+    """Refuse, before anything is built, what megatrain cannot serve in the user's Trainer and module, and
+    warn where it trains otherwise than asked."""
+    _refuse_weight_averaging(trainer)
+    _refuse_compiled_modules(trainer.lightning_module)
+    if trainer.state.fn == TrainerFn.FITTING:
+        _refuse_router_logits(trainer.lightning_module)
+    if trainer.precision != "bf16-true":
+        _warn_narrow_weights(trainer.lightning_module)
+
+
+def _refuse_weight_averaging(trainer: pl.Trainer) -> None:
     """Weight-averaging callbacks keep their own copy of the parameters: megatrain holds them in its store."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
@@ -40,6 +54,44 @@ def refuse_weight_averaging(trainer: pl.Trainer) -> None:
                 "holds placeholders in the module. Remove the callback, or train with "
                 "the default strategy."
             )
+
+
+def _refuse_compiled_modules(module: nn.Module) -> None:
+    """A compiled module traces through megatrain's paged calls, which swap weights in and out."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiled = [name or "the module" for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
+    if compiled:
+        raise MisconfigurationException(
+            f"megatrain cannot page a `torch.compile`d module ({compiled[0]}): compiling traces through "
+            "the block calls that swap its weights in and out of the device. Leave the model uncompiled, "
+            "or train with the default strategy."
+        )
+
+
+def _refuse_router_logits(module: nn.Module) -> None:
+    """A mixture-of-experts model asked for its router logits collects them from inside each layer through
+    hooks, outside the layer's outputs; megatrain routes gradients through block outputs only."""
+    for m in module.modules():
+        if getattr(getattr(m, "config", None), "output_router_logits", False) is True:
+            raise MisconfigurationException(
+                "megatrain cannot train with `output_router_logits=True` yet: the model collects each "
+                "layer's router logits (for its load-balancing loss) outside the layer's outputs, and "
+                "megatrain pages one layer at a time and routes gradients through layer outputs only. Set "
+                "`model.config.output_router_logits = False` (no load-balancing loss), or train with the "
+                "default strategy."
+            )
+
+
+def _warn_narrow_weights(module: nn.Module) -> None:
+    """megatrain's store holds fp32 masters: weights cast to bf16 by the user are trained in fp32."""
+    narrow = sorted({str(p.dtype) for p in module.parameters() if p.is_floating_point()} - {"torch.float32"})
+    if narrow:
+        rank_zero_warn(
+            f"megatrain keeps fp32 master weights: the model's {', '.join(narrow)} "
+            "parameters are trained in fp32 (their values exactly, widened). For bf16 compute set the "
+            "Trainer's `precision` ('bf16-mixed' or 'bf16-true') instead of casting the model."
+        )
 
 
 def _call_through(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

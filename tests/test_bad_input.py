@@ -97,6 +97,12 @@ def _export(checkpoint: Path, out: Path) -> Callable[[], None]:
     return lambda: export_hf(str(checkpoint), str(out))
 
 
+def _compiled() -> UserLM:
+    module = UserLM(tiny_model("llama"))
+    module.model = torch.compile(module.model)
+    return module
+
+
 def _resume(tmp: Path, path: Path, module: Any = None) -> Callable[[], None]:
     return lambda: _fit(tmp, module=module, ckpt_path=path)
 
@@ -205,7 +211,7 @@ CASES = [
         )[2],
         CheckpointIOError,
     ),
-    Case("offload_dir in use by another run", "in use by pid", _hold_store, StoreIOError),
+    Case("offload_dir in use by another model or run", "is in use by", _hold_store, StoreIOError),
     # options
     Case(
         "optimizer_compression='int1'",
@@ -259,6 +265,16 @@ CASES = [
         lambda t, f: (
             lambda: _fit(t, MegaTrainStrategy(activation_checkpointing=False), module=_hf_checkpointing())
         ),
+    ),
+    Case(
+        "a torch.compile'd model",
+        "cannot page a `torch.compile`d module",
+        lambda t, f: lambda: _fit(t, module=_compiled()),
+    ),
+    Case(
+        "output_router_logits=True (a mixture of experts' load-balancing loss)",
+        "cannot train with `output_router_logits=True` yet",
+        lambda t, f: lambda: _fit(t, module=UserLM(tiny_model("mixtral", output_router_logits=True))),
     ),
     # devices and precision
     Case(

@@ -88,12 +88,26 @@ def test_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
     assert not os.path.exists(engine.store.directory), "closing the engine leaves the store's files"
 
 
-def test_offload_dir_in_use_by_another_run(tmp_path):
+_HOLD = "import sys, time; from megatrain_lightning.store.files import lock_directory as hold; hold(sys.argv[1]); print(1, flush=True); time.sleep(60)"  # fmt: skip
+
+
+def test_offload_dir_in_use_by_another_run_or_model(tmp_path):
     blocks = discover_blocks(tiny_model("llama"))
     first = DiskStore(blocks, str(tmp_path), 1 << 24, kinds=["param"])
-    with pytest.raises(StoreIOError, match="in use by pid"):
+    with pytest.raises(StoreIOError, match="in use by another model of this process"):
         DiskStore(blocks, str(tmp_path), 1 << 24, kinds=["param"])
     first.close()
+    (tmp_path / "megatrain_store").mkdir(exist_ok=True)  # closing removed it
+    other = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path / "megatrain_store")], stdout=subprocess.PIPE
+    )
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == b"1"
+        with pytest.raises(StoreIOError, match=f"in use by pid {other.pid};"):
+            DiskStore(blocks, str(tmp_path), 1 << 24, kinds=["param"])
+    finally:
+        other.kill()
+        other.wait()
     DiskStore(blocks, str(tmp_path), 1 << 24, kinds=["param"]).close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -258,6 +259,26 @@ def test_hugging_face_checkpointing_is_taken_over_by_the_block_recompute(reentra
     layer = paged.module.model.model.layers[0]
     assert layer.gradient_checkpointing
     assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": reentrant}
+
+
+class RouterLossLM(UserLM):
+    """A mixture of experts' load-balancing loss asked for per call: router logits from inside the layers."""
+
+    def forward(self, batch: Any) -> Any:
+        return self.model(input_ids=batch, labels=batch, output_router_logits=True)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_tensor_of_a_block_used_outside_its_outputs_is_a_clear_error(checkpointing):
+    with pytest.raises(RuntimeError, match="used outside the block's outputs.*router logits"):
+        user_fit(tiny_model("mixtral"), MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1,
+                 module_cls=RouterLossLM)  # fmt: skip
+
+
+def test_weights_the_user_cast_to_bf16_are_trained_in_fp32_with_a_warning():
+    with pytest.warns(UserWarning, match="keeps fp32 master weights.*torch.bfloat16"):
+        run = user_fit(tiny_model("llama").to(torch.bfloat16), MegaTrainStrategy(), steps=1)
+    assert all(p.dtype == torch.float32 for p in run.module.parameters())
 
 
 class AliasingHead(torch.nn.Module):

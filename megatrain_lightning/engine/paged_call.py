@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from megatrain_lightning.engine.blocks import CallSite
-from megatrain_lightning.engine.recompute import ForwardState, discarding_saved_tensors
+from megatrain_lightning.engine.recompute import ESCAPED, ForwardState, discarding_saved_tensors
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 if TYPE_CHECKING:
@@ -167,6 +167,8 @@ class PagedCall(torch.autograd.Function):
 
                 def unpack(saved: Any) -> Tensor:
                     if isinstance(saved, _SlotRef):
+                        if not holder:  # backward through the graph, but not through this call's
+                            raise RuntimeError(ESCAPED)
                         # The slot is a byte buffer; the offset counts elements of the saved dtype.
                         slot = holder[0].view(saved.dtype)
                         return slot.as_strided(saved.size, saved.stride, saved.offset)
@@ -218,8 +220,9 @@ class PagedCall(torch.autograd.Function):
                 )
             else:
                 grads = (None,) * len(wrt)
-        if not checkpointed:
+        if not checkpointed:  # a later unpack of this graph (a tensor that left the block) finds no slot
             del ctx.graph
+            ctx.slot_holder.clear()
         engine.offload(site, wrt_leaves, list(grads[len(wrt_inputs) :]), last_use)
         input_grads = iter(grads[: len(wrt_inputs)])
         return (None, None, None, None, *[next(input_grads) if t.requires_grad else None for t in inputs])

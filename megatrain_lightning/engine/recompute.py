@@ -107,8 +107,16 @@ class ForwardState:
             yield
 
 
+ESCAPED = (
+    "megatrain: a tensor computed inside a block was used outside the block's outputs (e.g. router logits "
+    "collected with `output_router_logits`, attention weights, or a forward hook's capture) and needs "
+    "gradients; megatrain pages one block at a time and routes gradients through block outputs only. "
+    "Compute the loss from the model's outputs, or train with the default strategy."
+)
+
+
 def _no_saved_tensor(saved: Any) -> Tensor:
-    raise RuntimeError("megatrain: a checkpointed block's first run saves nothing for backward")
+    raise RuntimeError(ESCAPED)
 
 
 def discarding_saved_tensors() -> contextlib.AbstractContextManager:

@@ -82,6 +82,8 @@ def lock_directory(directory: str) -> int:
     except BlockingIOError as err:
         owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
+        if owner == f"pid {os.getpid()}":
+            owner = "another model of this process (a store lives as long as its model: `del` that one)"
         raise StoreIOError(
             err.errno, f"megatrain: {directory} is in use by {owner}; give each run its own `offload_dir`."
         ) from err
