@@ -52,12 +52,9 @@ def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> None:
         raise CheckpointError(f"{out} is a directory; name the single checkpoint file to write.")
     state = to_lightning(path, copies=1)
     tmp = f"{out}.tmp-{os.getpid()}"
-    tensors = [t for t in tree_flatten(state)[0] if isinstance(t, Tensor)]
+    nbytes = sum(t.nbytes for t in tree_flatten(state)[0] if isinstance(t, Tensor))
     try:
-        with (
-            open(tmp, "wb") as f,
-            byte_progress(sum(t.nbytes for t in tensors), f"writing {out}") as progress,
-        ):
+        with open(tmp, "wb") as f, byte_progress(nbytes, f"writing {out}") as progress:
             torch.save(state, _Counted(f, progress))
             f.flush()
             os.fsync(f.fileno())
