@@ -1,5 +1,5 @@
 """What megatrain reads from the user's Trainer and LightningModule before it trains: what it cannot serve
-(weight-averaging callbacks, compiled modules, router logits from inside the layers), weights it trains
+(weight-averaging callbacks, compiled modules, router logits on an old transformers), weights it trains
 otherwise than cast, whether user code looks at the summed gradients before the optimizer step, and
 Hugging Face's own activation checkpointing, which megatrain's block recompute takes over."""
 
@@ -14,6 +14,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+
+from megatrain_lightning.engine.captures import routes_captures
 
 _GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")  # where users read gradients
 
@@ -36,7 +38,7 @@ def check_before_training(trainer: pl.Trainer) -> None:
     warn where it trains otherwise than asked."""
     _refuse_weight_averaging(trainer)
     _refuse_compiled_modules(trainer.lightning_module)
-    if trainer.state.fn == TrainerFn.FITTING:
+    if trainer.state.fn == TrainerFn.FITTING and not routes_captures():
         _refuse_router_logits(trainer.lightning_module)
     if trainer.precision != "bf16-true":
         _warn_narrow_weights(trainer.lightning_module)
@@ -70,14 +72,15 @@ def _refuse_compiled_modules(module: nn.Module) -> None:
 
 
 def _refuse_router_logits(module: nn.Module) -> None:
-    """A mixture-of-experts model asked for its router logits collects them from inside each layer through
-    hooks, outside the layer's outputs; megatrain routes gradients through block outputs only."""
+    """Before transformers 5 a mixture-of-experts model collects its router logits from inside each layer
+    where megatrain cannot reach them (:mod:`.engine.captures` routes them out of the layers from 5 on)."""
     for m in module.modules():
         if getattr(getattr(m, "config", None), "output_router_logits", False) is True:
             raise MisconfigurationException(
-                "megatrain cannot train with `output_router_logits=True` yet: the model collects each "
-                "layer's router logits (for its load-balancing loss) outside the layer's outputs, and "
-                "megatrain pages one layer at a time and routes gradients through layer outputs only. Set "
+                "megatrain trains with `output_router_logits=True` (a mixture of experts' load-balancing "
+                "loss) from transformers 5 on: before, the model collects each layer's router logits "
+                "outside the layer's outputs, out of megatrain's reach, and their gradients would be "
+                "lost. Upgrade transformers (`pip install 'transformers>=5'`), set "
                 "`model.config.output_router_logits = False` (no load-balancing loss), or train with the "
                 "default strategy."
             )

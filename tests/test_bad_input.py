@@ -271,11 +271,6 @@ CASES = [
         "cannot page a `torch.compile`d module",
         lambda t, f: lambda: _fit(t, module=_compiled()),
     ),
-    Case(
-        "output_router_logits=True (a mixture of experts' load-balancing loss)",
-        "cannot train with `output_router_logits=True` yet",
-        lambda t, f: lambda: _fit(t, module=UserLM(tiny_model("mixtral", output_router_logits=True))),
-    ),
     # devices and precision
     Case(
         "precision='64-true'",

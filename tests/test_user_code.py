@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import UserLM, assert_same_training, quiet_trainer, tiny_model, token_batches, user_fit
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
@@ -265,14 +266,66 @@ class RouterLossLM(UserLM):
     """A mixture of experts' load-balancing loss asked for per call: router logits from inside the layers."""
 
     def forward(self, batch: Any) -> Any:
-        return self.model(input_ids=batch, labels=batch, output_router_logits=True)
+        out = self.model(input_ids=batch, labels=batch, output_router_logits=True)
+        assert out.aux_loss.requires_grad  # the loss the router logits feed is part of the loss trained
+        return out
+
+
+class AttentionEntropyLM(UserLM):
+    """An auxiliary loss on the attention weights that each layer's attention hands to HF's collector."""
+
+    def forward(self, batch: Any) -> Any:
+        out = self.model(input_ids=batch, labels=batch, output_attentions=True)
+        entropy = sum(-(a * a.clamp_min(1e-9).log()).sum(-1).mean() for a in out.attentions)
+        out.loss = out.loss + 1e-2 * entropy
+        return out
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize(
+    ("arch", "module_cls"), [("mixtral", RouterLossLM), ("llama", AttentionEntropyLM)], ids=["router", "attn"]
+)
+def test_outputs_collected_inside_the_layers_train_as_under_the_default_strategy(
+    arch, module_cls, checkpointing
+):
+    """Router logits for the load-balancing loss, attention weights: HF's hooks collect them inside the
+    layers; routed out through the block calls, their gradients reach the layers' weights bitwise as plain."""
+    model = tiny_model(arch, attn_implementation="eager")
+    plain = user_fit(model, "auto", steps=3, module_cls=module_cls)
+    paged = user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=3,
+                     module_cls=module_cls)  # fmt: skip
+    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+
+
+class MLPCaptureLM(UserLM):
+    """A forward hook of the user's own keeps a tensor from inside a layer for an auxiliary loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.captured: list[torch.Tensor] = []
+        model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: self.captured.append(out))
+
+    def forward(self, batch: Any) -> Any:
+        self.captured.clear()
+        out = self.model(input_ids=batch, labels=batch)
+        out.loss = out.loss + self.captured[0].square().mean()
+        return out
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_tensor_of_a_block_used_outside_its_outputs_is_a_clear_error(checkpointing):
-    with pytest.raises(RuntimeError, match="used outside the block's outputs.*router logits"):
-        user_fit(tiny_model("mixtral"), MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1,
-                 module_cls=RouterLossLM)  # fmt: skip
+    with pytest.raises(RuntimeError, match="used outside the block's outputs.*forward hook"):
+        user_fit(tiny_model("llama"), MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1,
+                 module_cls=MLPCaptureLM)  # fmt: skip
+
+
+def test_router_logits_are_refused_before_training_where_transformers_cannot_hand_them_over(monkeypatch):
+    """Before transformers 5 the router logits stay out of reach inside the layers: refused before training."""
+    monkeypatch.setattr("megatrain_lightning.user_code.routes_captures", lambda: False)
+    with pytest.raises(
+        MisconfigurationException, match="from transformers 5 on.*output_router_logits = False"
+    ):
+        user_fit(tiny_model("mixtral", output_router_logits=True), MegaTrainStrategy(), steps=1)
 
 
 def test_weights_the_user_cast_to_bf16_are_trained_in_fp32_with_a_warning():

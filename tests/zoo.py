@@ -105,7 +105,7 @@ _SIZES: dict[str, Any] = {
     "vocab_size": VOCAB,
     "tie_word_embeddings": False,
     "use_cache": True,
-    "output_router_logits": False,
+    "output_router_logits": True,  # mixtures of experts train with their load-balancing loss, as recipes do
     "router_jitter_noise": 0.0,
     "input_jitter_noise": 0.0,
 }
@@ -394,6 +394,11 @@ def included_archs() -> list[str]:
     return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(EXCLUDED))
 
 
+def router_logits_archs() -> list[str]:
+    """The zoo's mixtures of experts: the architectures whose config has ``output_router_logits``."""
+    return [a for a in included_archs() if hasattr(tiny_zoo_config(a), "output_router_logits")]
+
+
 def readme_section() -> str:
     """The README's list of architectures, between its ``<!-- zoo -->`` markers."""
     import transformers
@@ -402,7 +407,9 @@ def readme_section() -> str:
     lines = [
         f"**Architectures** (`tests/test_zoo.py`, transformers {transformers.__version__}, tiny configs): "
         f"these {len(archs)} causal LMs train bitwise like plain Lightning under the model's default call, "
-        f"with and without activation checkpointing: {', '.join(archs)}.",
+        f"with and without activation checkpointing: {', '.join(archs)}. The mixtures of experts among them "
+        f"({len(router_logits_archs())}) train with `output_router_logits=True`, their load-balancing loss "
+        "where the model computes one.",
         "",
         "Under activation checkpointing megatrain drops the cache, as Hugging Face's own checkpointing does, "
         "so there these train bitwise as called with `use_cache=False`, which rounds differently:",

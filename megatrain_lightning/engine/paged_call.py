@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from megatrain_lightning.engine.blocks import CallSite
+from megatrain_lightning.engine.captures import Captures
 from megatrain_lightning.engine.recompute import ESCAPED, ForwardState, discarding_saved_tensors
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
@@ -38,21 +39,27 @@ class Call:
     out_flat: list[Any] = field(default_factory=list)
     out_spec: Any = None
     out_positions: list[int] = field(default_factory=list)
+    captures: Captures = field(default_factory=Captures)
 
-    def run(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+    def run(self, tensors: tuple[Tensor, ...] | list[Tensor], recompute: bool = False) -> list[Tensor]:
+        """The block's output tensors, then the tensors its layers handed to the model's collector."""
         flat = list(self.flat)
         for i, t in zip(self.positions, tensors, strict=True):
             flat[i] = _as_non_leaf(t)
         args, kwargs = tree_unflatten(flat, self.spec)
-        out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
+        with self.captures.watching(recompute) as captured:
+            out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
         self.out_positions = [i for i, leaf in enumerate(out_flat) if isinstance(leaf, Tensor)]
         self.out_flat = [None if i in self.out_positions else leaf for i, leaf in enumerate(out_flat)]
-        return [out_flat[i] for i in self.out_positions]
+        return [out_flat[i] for i in self.out_positions] + captured
 
     def rebuild_outputs(self, tensors: tuple[Tensor, ...]) -> Any:
+        """The block's outputs as it returned them; the captured tensors go to the model's collector."""
         flat = list(self.out_flat)
-        for i, t in zip(self.out_positions, tensors, strict=True):
+        count = len(self.out_positions)
+        for i, t in zip(self.out_positions, tensors[:count], strict=True):
             flat[i] = t
+        self.captures.hand_over(tensors[count:])
         return tree_unflatten(flat, self.out_spec)
 
 
@@ -202,7 +209,7 @@ class PagedCall(torch.autograd.Function):
                 inputs = _detached(ctx.saved_tensors)
                 leaves = bound
                 with torch.enable_grad(), ctx.forward_state.restored():
-                    outputs = call.run(inputs)
+                    outputs = call.run(inputs, recompute=True)
             else:
                 ctx.slot_holder[:] = [slot]
                 outputs, inputs, leaves = ctx.graph

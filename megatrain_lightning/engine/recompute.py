@@ -108,10 +108,11 @@ class ForwardState:
 
 
 ESCAPED = (
-    "megatrain: a tensor computed inside a block was used outside the block's outputs (e.g. router logits "
-    "collected with `output_router_logits`, attention weights, or a forward hook's capture) and needs "
-    "gradients; megatrain pages one block at a time and routes gradients through block outputs only. "
-    "Compute the loss from the model's outputs, or train with the default strategy."
+    "megatrain: a tensor computed inside a block was used outside the block's outputs (e.g. a sub-layer's "
+    "output kept by a forward hook of your own) and needs gradients; megatrain pages one block at a time "
+    "and routes gradients through block outputs only (and through what Hugging Face's hooks collect: "
+    "router logits, attention weights, hidden states). Compute the loss from the model's outputs, or "
+    "train with the default strategy."
 )
 
 
