@@ -120,14 +120,6 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
             f"`max_vram_gb={strategy.max_vram_gb}` is smaller than the largest block "
             f"({layout.nbytes / _GB:.3g} GB on the device); raise it to at least that."
         )
-    if not strategy.data_parallel and (serial := serial_blocks(layout.block_bytes, pools)) > 1:
-        overlap = sum(sorted(layout.block_bytes, reverse=True)[:OVERLAP])
-        rank_zero_warn(
-            f"megatrain: in the slot budget of {budget / _GB:.3g} GB, {serial} of the {len(blocks)} blocks "
-            "fit only one device slot, so each is fetched after the one before it has computed (nothing "
-            f"loads ahead); `max_vram_gb={overlap / _GB:.3g}` (the two largest blocks) lets one load while "
-            "another computes."
-        )
     num_slots = sum(count for _, count in pools)
     offload_dir, cache_bytes, created = _disk_tier(strategy, blocks, auto)
     auto_prefetch = strategy.prefetch_depth == "auto"
@@ -145,6 +137,18 @@ def engine_config(strategy: MegaTrainStrategy, blocks: list[Block]) -> tuple[Eng
         io=strategy.io,
         zero_copy=strategy.zero_copy,
     )
+    # Slots go unused where blocks compute on the store's own weights (the CPU's host tier).
+    if (
+        not (strategy.data_parallel or config.binds_store)
+        and (serial := serial_blocks(layout.block_bytes, pools)) > 1
+    ):
+        overlap = sum(sorted(layout.block_bytes, reverse=True)[:OVERLAP])
+        rank_zero_warn(
+            f"megatrain: in the slot budget of {budget / _GB:.3g} GB, {serial} of the {len(blocks)} blocks "
+            "fit only one device slot, so each is fetched after the one before it has computed (nothing "
+            f"loads ahead); `max_vram_gb={overlap / _GB:.3g}` (the two largest blocks) lets one load while "
+            "another computes."
+        )
     return config, created
 
 
@@ -166,6 +170,7 @@ def _plan(
     workload = Workload(
         compute_dtype="fp32" if dtype == torch.float32 else "bf16",
         activation_checkpointing=strategy.activation_checkpointing,
+        zero_copy=strategy.zero_copy and strategy.offload_dir is None,  # the engine's `binds_store`
     )
     offload_dir = None if strategy.offload_dir in (None, "auto") else strategy.offload_dir
     machine = Machine.detect(strategy.root_device, offload_dir)

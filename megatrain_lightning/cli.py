@@ -30,6 +30,7 @@ import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.planner.plan import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, plan_for
+from megatrain_lightning.planner.shape import PRESETS, hydra_models
 from megatrain_lightning.planner.table import format_plan
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointError
 from megatrain_lightning.serialization.export import export_hf
@@ -116,15 +117,27 @@ def plan_parser() -> argparse.ArgumentParser:
     add(
         "--model",
         required=True,
-        help="preset (tiny, 170m, 1b, 3b, 7b, 70b), a config.json or a model directory",
+        help=f"a preset ({', '.join(PRESETS)}), a Hydra model config (model=NAME of megatrain-train: "
+        f"{', '.join(hydra_models())}), a config.json or a model directory",
     )
     size, rate, count = _bounded(float, 0), _bounded(float, 0, strict=True), _bounded(int, 1)
-    add("--vram", type=size, required=True, help="GPU memory, GB")
+    add(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="the compute device: a GPU, or the CPU alone (no GPU: activations and slots take the RAM)",
+    )
+    add("--vram", type=size, default=None, help="GPU memory, GB (required unless --device cpu)")
     add("--ram", type=size, required=True, help="host memory, GB")
     add("--disk", type=size, default=0.0, help="free space for the disk tier, GB (default: none)")
     add("--pcie-gbps", type=rate, default=25.0, help="host<->GPU bandwidth, GB/s")
     add("--disk-gbps", type=rate, default=6.0, help="disk bandwidth, GB/s")
-    add("--tflops", type=rate, default=400.0, help="GPU compute in the compute dtype, TFLOP/s")
+    add(
+        "--tflops",
+        type=rate,
+        default=400.0,
+        help="compute in the compute dtype, TFLOP/s (default: a GPU's; give the CPU's with --device cpu)",
+    )
     add("--update-gparams", type=rate, default=5.0, help="the host's AdamW, G parameters updated per s")
     add("--ranks", type=count, default=1, help="data parallel: ranks (GPUs) per node; figures per rank")
     add("--nodes", type=count, default=1, help="data parallel: nodes")
@@ -136,7 +149,13 @@ def plan_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens per micro-batch (default: one per step)",
     )
-    add("--compute-dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    add(
+        "--compute-dtype",
+        choices=tuple(DTYPE_BYTES),
+        default="bf16",
+        help="the compute dtype of a precision megatrain accepts: fp32 (32-true) or bf16 (planned as "
+        "bf16-mixed, which keeps embeddings, norms and biases fp32 on the device; bf16-true needs no more)",
+    )
     add(
         "--compression",
         choices=COMPRESSIONS,
@@ -151,8 +170,13 @@ def plan_main(argv: list[str]) -> None:
     """``megatrain plan``: print the planner's table; a model it cannot read is a one-line usage error."""
     parser = plan_parser()
     a = parser.parse_args(argv)
+    cpu = a.device == "cpu"
+    if cpu and a.vram is not None:
+        parser.error("argument --vram: a CPU-only run (--device cpu) has no GPU memory; its memory is --ram")
+    if not cpu and a.vram is None:
+        parser.error("the following arguments are required: --vram (or --device cpu)")
     speeds = (a.pcie_gbps, a.disk_gbps, a.tflops, a.update_gparams)
-    machine = Machine(a.vram, a.ram, a.disk, *speeds, a.ranks, a.nodes, a.network_gbps)
+    machine = Machine(a.vram or 0.0, a.ram, a.disk, *speeds, a.ranks, a.nodes, a.network_gbps, cpu)
     workload = Workload(
         a.tokens_per_step, a.micro_batch_tokens, a.compute_dtype, not a.no_activation_checkpointing
     )

@@ -5,15 +5,20 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from transformers import AutoModelForCausalLM
 
+import megatrain_lightning
+from megatrain_lightning.cli import main
 from megatrain_lightning.engine.blocks import discover_blocks
 from megatrain_lightning.engine.slots import RUN_ALIGN, SlotLayout
 from megatrain_lightning.planner.plan import (
     COMPRESSIONS,
+    DTYPE_BYTES,
     RESERVE,
     Machine,
     ModelShape,
@@ -25,6 +30,7 @@ from megatrain_lightning.planner.plan import (
     shortfalls,
 )
 from megatrain_lightning.planner.table import LEGEND, format_plan
+from megatrain_lightning.precision import SUPPORTED, MegaTrainPrecision
 from megatrain_lightning.presets import llama_config, tiny_config
 from megatrain_lightning.store.sizing import staging_bytes
 
@@ -249,7 +255,8 @@ def test_planned_slots_are_the_engines(arch):
 
 def test_detect_reads_this_machine(tmp_path):
     machine = Machine.detect("cpu", offload_dir=tmp_path / "not" / "yet")
-    assert machine.vram_gb > 0 and machine.ram_gb > 0 and machine.disk_gb > 0
+    assert machine.cpu and machine.vram_gb == 0  # the CPU computes in the RAM: no second memory
+    assert machine.ram_gb > 0 and machine.disk_gb > 0
     with torch.device("meta"):
         tiny = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
     assert plan_for(tiny, machine).row("megatrain none").fits
@@ -311,3 +318,100 @@ def test_printed_columns_and_recommendation_agree(model, machine):
     assert int(match[2]) == int(row["slots"])
     assert float(match[3]) <= float(row["GPU GB"]) and float(match[4]) == float(row["GPU GB"])
     assert best.settings.cache_gb <= best.host_gb
+
+
+HYDRA_MODELS = Path(megatrain_lightning.__file__).parent / "configs" / "model"
+
+
+def _plan_out(capsys, *args: str) -> str:
+    main(["plan", *args])
+    return capsys.readouterr().out
+
+
+def test_hydra_model_names_plan_the_model_the_app_builds(capsys):
+    """`megatrain-train model=llama_7b` and `megatrain plan --model llama_7b` name one model: every model
+    config the package ships (but `hf`, which is given its directory) plans as what its `model` builds."""
+    names = sorted(path.stem for path in HYDRA_MODELS.glob("*.yaml"))
+    assert {"llama_7b", "tiny_llama", "tiny_moe", "hf"} <= set(names)
+    built = {"llama_7b": load_shape("7b"), "tiny_llama": load_shape("tiny")}
+    built["tiny_moe"] = load_shape(tiny_config("qwen2_moe"))
+    built["tiny_gpt2"] = load_shape(tiny_config("gpt2"))
+    for name, shape in built.items():
+        assert load_shape(name) == shape, name
+    for name in set(names) - {"hf"}:
+        assert load_shape(name).num_params > 0, name
+    machine = ["--vram", "80", "--ram", "512"]
+    assert _plan_out(capsys, "--model", "llama_7b", *machine) == _plan_out(capsys, "--model", "7b", *machine)
+    with pytest.raises(ValueError, match="model directory given as model.model=PATH: give that directory"):
+        load_shape("hf")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "llama_13b", *machine])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tiny, 170m, 1b, 3b, 7b, 70b" in err and ", ".join(names) in err
+
+
+def test_largest_block_line_says_what_the_device_holds():
+    """Under bf16 a 7B decoder layer (the largest block, 202 M) holds 0.40 GB on the device; the fp32
+    embedding (131 M) holds more, 0.52 GB, and sets the largest slot: the line names both."""
+    line = format_plan(plan_for("7b", Machine(80, 512))).splitlines()[0]
+    assert f"largest 202.38 M ({LAYER_7B / GB:.1f} GB on the device in bf16)" in line
+    assert f"largest on the device a block of 131.07 M in {EMBED_7B / GB:.2f} GB (bf16-mixed keeps" in line
+    fp32 = format_plan(plan_for("7b", Machine(80, 512), workload=Workload(compute_dtype="fp32")))
+    assert f"largest 202.38 M ({4 * LAYER / GB:.2f} GB on the device in fp32); activations" in fp32
+
+
+def test_plan_offers_only_the_compute_dtypes_the_strategy_accepts(capsys):
+    """The strategy's precisions compute in fp32 or bf16 and refuse fp16: so does the plan."""
+    assert {MegaTrainPrecision(p).compute_dtype.itemsize for p in SUPPORTED} == set(DTYPE_BYTES.values())
+    assert set(DTYPE_BYTES) == {"fp32", "bf16"}
+    with pytest.raises(MisconfigurationException):
+        MegaTrainPrecision("16-mixed")
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        plan_for("tiny", Machine(1, 1), workload=Workload(compute_dtype="fp16"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "7b", "--vram", "24", "--ram", "64", "--compute-dtype", "fp16"])
+    assert exit_.value.code == 2 and "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+def test_cpu_only_counts_activations_and_slots_in_ram():
+    """No GPU: the store, the activations and any slots share the RAM. On the host tier blocks compute on
+    the store's weights (no slots, no staging buffers); the disk tier keeps slots for the two largest
+    blocks and gives the rest of the RAM to its cache. No link bounds a step; ZeRO-Offload needs a GPU."""
+    plan = plan_for("7b", Machine(vram_gb=0, ram_gb=256, tflops=2, cpu=True))
+    assert "ZeRO-Offload" not in {r.method for r in plan.rows}
+    plain, none = plan.row("plain AdamW"), plan.row("megatrain none")
+    assert plain.gpu_gb == 0 and plain.host_gb == pytest.approx((16 * N_7B + ACT_7B) / GB) and plain.fits
+    assert none.fits and none.settings.tier == "host" and none.settings.slot_pools == ()
+    assert none.gpu_gb == 0 and none.host_gb == pytest.approx(
+        ((4 + 8 + 4) * N_7B + 2 * SHADOW_7B + ACT_7B) / GB
+    )
+    assert none.bound_by == "compute" and none.step_s == pytest.approx(6 * N_7B * TOKENS / 2e12)
+    slow = plan_for("7b", Machine(vram_gb=0, ram_gb=256, update_gparams=0.2, cpu=True)).row("plain AdamW")
+    assert slow.bound_by == "update" and slow.step_s == pytest.approx(N_7B / 0.2e9)  # AdamW on the CPU too
+    disk = plan_for("7b", Machine(vram_gb=0, ram_gb=64, disk_gb=1000, cpu=True), "int8")
+    s, row = disk.settings, disk.row("megatrain int8")
+    assert row.fits and s.tier == "disk" and s.slot_pools == ((EMBED_7B, 1), (LAYER_7B, 1))
+    usable = 64 * (1 - RESERVE)
+    assert s.cache_gb == pytest.approx(usable - (ACT_7B + EMBED_7B + LAYER_7B) / GB)
+    assert row.gpu_gb == 0 and row.host_gb == pytest.approx(usable)
+    # 48 GB of RAM: the host tier's 124 GB do not fit, nor does the disk tier without a disk.
+    short = plan_for("7b", Machine(vram_gb=0, ram_gb=48, cpu=True)).row("megatrain int2")
+    assert [what for what, _, _ in shortfalls(short, Machine(0, 48, cpu=True))] == ["disk"]
+
+
+def test_plan_device_cpu_prints_one_memory(capsys):
+    out = _plan_out(capsys, "--model", "7b", "--device", "cpu", "--ram", "256", "--tflops", "2")
+    lines = out.splitlines()
+    assert lines[1].startswith("machine: CPU only: 256 GB RAM (the device's memory too), 0 GB disk; no link")
+    rows = _table(out)
+    assert "GPU GB" not in rows["megatrain none"] and "ZeRO-Offload" not in rows
+    assert float(rows["megatrain none"]["host GB"]) == pytest.approx(124.1, abs=0.05)
+    assert lines[-1].startswith("recommended: megatrain none with the store in host RAM, no slots")
+    for argv, message in (
+        (["--device", "cpu", "--vram", "8"], "argument --vram: a CPU-only run (--device cpu) has no GPU"),
+        ([], "the following arguments are required: --vram (or --device cpu)"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", "--model", "7b", "--ram", "64", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

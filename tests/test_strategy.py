@@ -227,9 +227,18 @@ def test_auto_budgets_come_from_the_planner():
     run = fit(tiny_model("llama"), MegaTrainStrategy(zero_copy=False), steps=1)
     engine = run.trainer.strategy.engine
     shape = ModelShape.from_blocks([b.numel for b in engine.blocks], hf_model(run.module)[1].config)
-    settings = plan_for(shape, Machine.detect("cpu"), "none", Workload(compute_dtype="fp32")).settings
+    workload = Workload(compute_dtype="fp32", zero_copy=False)
+    settings = plan_for(shape, Machine.detect("cpu"), "none", workload).settings
     assert engine.config.slot_pools == settings.slot_pools
     assert engine.pager.num_slots == settings.num_slots >= 1
+
+
+def test_auto_slots_on_the_cpu_are_counted_in_its_ram(tmp_path):
+    """Where the CPU computes, slots are RAM beside the disk tier's cache: two (one block loads while the
+    other computes), the rest of the RAM for the cache; not a slot for every block on top of it."""
+    run = fit(tiny_model("llama"), MegaTrainStrategy(offload_dir=tmp_path), steps=1)
+    engine = run.trainer.strategy.engine
+    assert len(engine.blocks) > 2 and engine.pager.num_slots == 2
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

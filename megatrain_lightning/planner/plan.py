@@ -44,6 +44,13 @@ reduce-scatters its fp32 gradients once (``engine/distributed.py``), of which a 
 (ranks - 1)/ranks; DDP all-reduces the fp32
 gradients once per step, ZeRO-Offload reduce-scatters gradients and all-gathers weights in the compute
 dtype.
+
+CPU only (``Machine.cpu``, no GPU): the compute device is the CPU and every figure is RAM. The activations
+sit beside the store, and so do the slots: the host tier has none (blocks compute on the store's own weights,
+``engine/host_views.py``), the disk tier's hold the two largest blocks (the rest of the RAM does more as its
+cache). There is no link to bound a step, no staging buffer (gradients are added straight into the store),
+and no ZeRO-Offload row (it offloads from a GPU); plain AdamW's update then runs at the host AdamW's rate.
+
 :func:`plan_for` is what the strategy calls to resolve ``"auto"`` options;
 :func:`megatrain_lightning.planner.table.format_plan` prints the table of ``megatrain plan``.
 """
@@ -64,10 +71,14 @@ from megatrain_lightning.engine.slots import OVERLAP, Pools, slot_pools
 from megatrain_lightning.optim.adamw import COMPRESSIONS as OPTIMIZER_COMPRESSIONS
 from megatrain_lightning.planner.shape import MASTER_BYTES, ModelShape, load_shape
 from megatrain_lightning.planner.traffic import least_disk_traffic
+from megatrain_lightning.precision import SUPPORTED, MegaTrainPrecision
 from megatrain_lightning.store.sizing import STATE_BYTES, min_cache_bytes, staging_bytes
 
 GB = 1e9
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# The compute dtypes of the precisions the strategy accepts, no more ("bf16" plans bf16-mixed's slots, whose
+# fp32 embeddings and norms make them at least bf16-true's).
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+DTYPE_BYTES = {_NAMES[d]: d.itemsize for d in (MegaTrainPrecision(p).compute_dtype for p in SUPPORTED)}
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
@@ -91,6 +102,9 @@ class Machine:
     ranks_per_node: int = 1  # data parallel: a GPU each (the figures above are one GPU's, one node's)
     nodes: int = 1
     network_gbps: float = 25.0  # what each rank's collectives move per second (the slowest hop)
+    # No GPU: the CPU computes, so activations and slots take the RAM (``vram_gb`` is unused) and no link
+    # stands between them and the store; ``tflops`` is then the CPU's.
+    cpu: bool = False
 
     @property
     def ranks(self) -> int:
@@ -104,20 +118,21 @@ class Machine:
     def detect(
         cls, device: torch.device | str = "cuda", offload_dir: str | os.PathLike | None = None
     ) -> Machine:
-        """Free memory now: the device's (on CPU, available RAM again), available RAM, free space under
-        ``offload_dir`` (0 without one). Bandwidths and FLOP/s keep their defaults."""
+        """Free memory now: the GPU's (none where the CPU computes: a CPU-only machine), available RAM, free
+        space under ``offload_dir`` (0 without one). Bandwidths and FLOP/s keep their defaults."""
         import psutil
 
         device = torch.device(device)
         ram = psutil.virtual_memory().available
-        vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else ram
+        cpu = device.type != "cuda"
+        vram = 0 if cpu else torch.cuda.mem_get_info(device)[0]
         disk = 0
         if offload_dir is not None:
             existing = Path(offload_dir)
             while not existing.exists():
                 existing = existing.parent
             disk = shutil.disk_usage(existing).free
-        return cls(vram_gb=vram / GB, ram_gb=ram / GB, disk_gb=disk / GB)
+        return cls(vram_gb=vram / GB, ram_gb=ram / GB, disk_gb=disk / GB, cpu=cpu)
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,7 @@ class Workload:
     micro_batch_tokens: int | None = None
     compute_dtype: str = "bf16"
     activation_checkpointing: bool = True
+    zero_copy: bool = True  # CPU only: the host tier's blocks compute on the store's weights, without slots
 
     @property
     def micro_tokens(self) -> int:
@@ -239,21 +255,26 @@ def plan_for(
     )
     compute_s = 6 * n * workload.tokens_per_step / (machine.tflops * 1e12)
     micro, ranks = workload.micro_batches, machine.ranks
-
-    rows = []
-    gpu = PLAIN_BYTES * n + act
-    ddp = machine.received(2 * 4 * n)  # the fp32 gradients' all-reduce: a reduce-scatter and an all-gather
-    rows.append(_row("plain AdamW", gpu, 0.0, 0.0, gpu <= vram, compute_s, 0.0, 0.0, 0.0, ddp, machine))
-    gpu, host = cd * n + act, PLAIN_BYTES * n / ranks
-    # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch: a
-    # rank's partition of each; the network gathers the weights and reduce-scatters every micro-batch's grads.
-    link_s = (1 + micro) * cd * n / ranks / (machine.pcie_gbps * GB)
-    network = (1 + micro) * machine.received(cd * n)
-    # The host AdamW's share of a rank: its part of the parameters, its part of the node's cores.
+    # The host AdamW's share of a rank (megatrain's, ZeRO-Offload's): its part of the parameters, its part of
+    # the node's cores.
     update_s = n / ranks / (machine.update_gparams / machine.ranks_per_node * GB)
-    fits = gpu <= vram and host <= ram
-    times = (compute_s, link_s, 0.0, update_s, network, machine)
-    rows.append(_row("ZeRO-Offload", gpu, host, 0.0, fits, *times))
+
+    plain = PLAIN_BYTES * n + act  # on the GPU, or on a CPU-only machine in the RAM
+    gpu, host, fits = (0.0, plain, plain <= ram) if machine.cpu else (plain, 0.0, plain <= vram)
+    ddp = machine.received(2 * 4 * n)  # the fp32 gradients' all-reduce: a reduce-scatter and an all-gather
+    plain_update_s = update_s * ranks if machine.cpu else 0.0  # CPU only: every rank updates the whole model
+    times = (compute_s, 0.0, 0.0, plain_update_s, ddp, machine)
+    rows = [_row("plain AdamW", gpu, host, 0.0, fits, *times)]
+    if not machine.cpu:  # ZeRO-Offload offloads from a GPU
+        gpu, host = cd * n + act, PLAIN_BYTES * n / ranks
+        # Weights (compute dtype) up once per step, gradients (compute dtype) down after every micro-batch: a
+        # rank's partition of each; the network gathers the weights and reduce-scatters every micro-batch's
+        # grads.
+        link_s = (1 + micro) * cd * n / ranks / (machine.pcie_gbps * GB)
+        network = (1 + micro) * machine.received(cd * n)
+        fits = gpu <= vram and host <= ram
+        times = (compute_s, link_s, 0.0, update_s, network, machine)
+        rows.append(_row("ZeRO-Offload", gpu, host, 0.0, fits, *times))
     block_bytes = shape.block_bytes(cd)
     for name in COMPRESSIONS:
         rows.append(
@@ -283,22 +304,33 @@ def _megatrain_row(
     # The host tier's weights in the compute dtype (a sharded store keeps none: ranks convert as they send).
     shadowed = shape.shadow_numel(cd) if ranks == 1 else 0
     shadow = shadowed * cd
-    staging = staging_bytes(shape.largest_block)  # page-locked beside the store or its cache
+    # Page-locked beside the store or its cache; on the CPU gradients are added straight from the device.
+    staging = 0 if machine.cpu else staging_bytes(shape.largest_block)
+    overlap = sum(sorted(block_bytes, reverse=True)[:OVERLAP])  # one block computes while the next loads
     budget = max(vram - act, 0.0)
+    if machine.cpu:
+        # The activations take the RAM the store takes, and so do slots: the host tier has none (blocks
+        # compute on the store's own weights: engine/host_views.py); the disk tier's hold the two largest
+        # blocks (the rest of the RAM does more as its cache); data parallel gathers two blocks there.
+        zero_copy = workload.zero_copy and ranks == 1 and store + shadow + act <= ram
+        budget = 0.0 if zero_copy else overlap
+        ram, vram = ram - act - budget, math.inf
     pools = slot_pools(block_bytes, budget)
     num_slots, slots = sum(count for _, count in pools), sum(size * count for size, count in pools)
-    gpu_need = sum(sorted(block_bytes, reverse=True)[:OVERLAP]) + act
+    gpu_need = overlap + act
     if store + shadow + staging <= ram:
         tier, cache, host_need, disk_need = "host", store + shadow, store + shadow + staging, 0.0
     else:
         tier, disk_need = "disk", store
         cache = max(min(ram - staging, store), 0.0)
-        host_need = min_cache_bytes(shape.largest_block) + staging  # the store chunks in use at once
+        host_need = min_cache_bytes(shape.largest_block, cuda=not machine.cpu) + staging  # chunks in use
     fits = gpu_need <= vram and host_need <= ram and disk_need <= disk
     # What the chosen settings use; where they do not fit, the least megatrain needs. Data parallel has no
     # slots: a rank holds the block computing and the one gathered ahead.
     gpu = slots + act if fits and ranks == 1 else gpu_need
     host = cache + staging if fits else host_need
+    if machine.cpu:  # one memory: what a GPU would hold is in the RAM too
+        gpu, host = 0.0, host + act + budget
     micro = workload.micro_batches
     # With every block resident, weights come in once per step (after the update); else twice per micro-batch:
     # from the host tier's shadow in the compute dtype, from the disk tier in fp32 (its slots convert). Data
@@ -306,13 +338,14 @@ def _megatrain_row(
     narrow = shadowed if tier == "host" else 0
     fetch_bytes = narrow * cd + (n - narrow) * MASTER_BYTES
     fetches = 1 if num_slots >= shape.num_blocks and ranks == 1 else 2 * micro
-    link_s = (fetches * fetch_bytes + micro * GRAD_BYTES * n) / ranks / (machine.pcie_gbps * GB)
+    linked = fetches * fetch_bytes + micro * GRAD_BYTES * n  # none where the CPU computes in its own RAM
+    link_s = 0.0 if machine.cpu else linked / ranks / (machine.pcie_gbps * GB)
     # The shard's traffic: the least traffic scales with the store and cache (traffic.py).
     moved = sum(disk_traffic(shape, compression, micro, cache * ranks)) / ranks if tier == "disk" else 0.0
     disk_s = moved / (machine.disk_gbps / machine.ranks_per_node * GB)
     computed = shape.shadow_numel(cd) * cd + (n - shape.shadow_numel(cd)) * MASTER_BYTES  # a gather's bytes
     network = micro * (2 * machine.received(computed) + machine.received(GRAD_BYTES * n))
-    settings = Settings(tier, pools, max(num_slots - 1, 1), cache / GB, budget / GB)
+    settings = Settings(tier, pools, max(num_slots - 1, 1) if pools else 0, cache / GB, budget / GB)
     row = (gpu, host, disk_need, fits, compute_s, link_s, disk_s, update_s, network, machine, settings)
     return _row(f"megatrain {compression}", *row)
 

@@ -1,5 +1,6 @@
 """What the planner needs of a model: its paging blocks as the engine finds them and the sizes that drive
-activations, from a model, a Hugging Face config, a ``config.json``, a model directory or a preset."""
+activations, from a model, a Hugging Face config, a ``config.json``, a model directory, a preset or the
+name of one of the Hydra app's model configs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from megatrain_lightning.presets import llama_config, resolve_config, tiny_confi
 
 MASTER_BYTES = 4.0  # fp32 master weights in the store
 PRESETS = ("tiny", "170m", "1b", "3b", "7b", "70b")
+HYDRA_MODELS = Path(__file__).resolve().parents[1] / "configs" / "model"  # `megatrain-train model=NAME`
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ def _largest(value: int | Sequence[int] | None) -> int | None:
 
 def load_shape(model: ModelShape | PretrainedConfig | nn.Module | str | os.PathLike) -> ModelShape:
     """A :class:`ModelShape` from a shape, a config, a model, or a string naming a preset
-    (``tiny``, ``170m``, ``1b``, ``7b``, ``70b``), a ``config.json`` file or a model directory."""
+    (``tiny``, ``170m``, ``1b``, ``7b``, ``70b``), a Hydra model config (``llama_7b``: :func:`hydra_models`),
+    a ``config.json`` file or a model directory."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, nn.Module):
@@ -128,22 +131,48 @@ def load_shape(model: ModelShape | PretrainedConfig | nn.Module | str | os.PathL
     return ModelShape.from_config(_load_config(os.fspath(model)))
 
 
+def hydra_models() -> tuple[str, ...]:
+    """The Hydra app's model names, read from the configs the package ships, so that a user who trains with
+    ``model=llama_7b`` can plan with the same name."""
+    return tuple(sorted(path.stem for path in HYDRA_MODELS.glob("*.yaml")))
+
+
+def _hydra_config(name: str) -> PretrainedConfig:
+    """The config a Hydra model config's ``model`` builds, as the app builds it: an arch name or a directory
+    (:func:`resolve_config`), or a ``_target_`` that returns a config."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(HYDRA_MODELS / f"{name}.yaml")
+    if OmegaConf.is_missing(node, "model"):
+        raise ValueError(
+            f"Hydra model {name!r} is a local model directory given as model.model=PATH: give that "
+            "directory itself"
+        )
+    model = node.model
+    return resolve_config(instantiate(model, _convert_="all") if OmegaConf.is_config(model) else model)[0]
+
+
+def _accepted() -> str:
+    return f"a preset ({', '.join(PRESETS)}), a Hydra model config ({', '.join(hydra_models())})"
+
+
 def _load_config(spec: str) -> PretrainedConfig:
     if spec.lower() == "tiny":
         return tiny_config("llama")
     if spec.lower() in PRESETS:
         return llama_config(spec)
+    if spec in hydra_models():
+        return _hydra_config(spec)
     path = Path(spec)
     if path.is_file():
         try:
             return resolve_config(json.loads(path.read_text()))[0]
         except (ValueError, TypeError) as err:  # not JSON, not UTF-8, or JSON but no model config
             raise ValueError(
-                f"model {spec!r} is a file but not a Hugging Face config.json ({err}); give a preset "
-                f"({', '.join(PRESETS)}), a model's config.json or its directory"
+                f"model {spec!r} is a file but not a Hugging Face config.json ({err}); give {_accepted()}, "
+                "a model's config.json or its directory"
             ) from err
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    raise ValueError(
-        f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), a config.json nor a directory"
-    )
+    raise ValueError(f"model {spec!r} is neither {_accepted()}, a config.json nor a directory")
