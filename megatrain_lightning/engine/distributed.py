@@ -273,6 +273,15 @@ class ShardedGrads(HostGrads):
         finally:
             self._local.clear()
 
+    def assign(self, block: int, index: int, value: Tensor | None) -> None:
+        """As :meth:`HostGrads.assign`, the local sum not reduced yet included: it is gone too."""
+        super().assign(block, index, value)
+        local = self._local.get(block)
+        if local is not None and index in local[1]:
+            spec = self.store.blocks[block].params[index]
+            local[0][spec.offset : spec.offset + spec.numel].zero_()  # reduced with the others' sums
+            local[1].discard(index)
+
     def squared_norm(self, clamp: float | None) -> Tensor:
         """Sum of squares (fp64) of this rank's gradient shards, after clamping them to ``±clamp``."""
         self.flush()

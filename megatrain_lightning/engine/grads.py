@@ -31,6 +31,13 @@ from megatrain_lightning.store.sizing import STAGING_BUFFERS
 from megatrain_lightning.telemetry.stats import EngineStats
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
+NOT_CLEARED = (
+    "megatrain: a backward adds to gradients that an optimizer step already used and nothing cleared since: "
+    "PyTorch would add to the last step's gradients, which megatrain drops once its update used them. Call "
+    "`optimizer.zero_grad()` (or `module.zero_grad()`) after `optimizer.step()`."
+)
+ASSIGNED = -1  # the version recorded for a `p.grad` user code assigned: never a tensor's, so written back
+
 
 class HostGrads:
     """Host fp32 gradient accumulation. ``asynchronous`` (default: on CUDA) hands each offload to one
@@ -51,7 +58,7 @@ class HostGrads:
         self.stats = stats
         self.device = device
         self._present: list[set[int]] = [set() for _ in store.blocks]
-        self._consumed: set[int] = set()  # blocks whose sums an update used since ``clear``
+        self._consumed: dict[int, set[int]] = {}  # block -> the indices whose sums its update used
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
         asynchronous = cuda if asynchronous is None else asynchronous
@@ -63,10 +70,14 @@ class HostGrads:
         self.staging_bytes = 0  # allocated so far (page-locked on CUDA)
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
+        # (block, index) -> a `p.grad` handed to user code, and its version then (see `user_grad`).
+        self._handed_out: dict[tuple[int, int], tuple[Tensor, int]] = {}
 
     def mark_consumed(self, block: int) -> None:
-        """``block``'s update has used its gradient sums, and the store has dropped them."""
-        self._consumed.add(block)
+        """``block``'s update has used its gradient sums, and the store has dropped them: its next backward
+        starts new sums, as after ``zero_grad`` (which users call after a step; never adding to a buffer the
+        pool has given another block since). In the update's thread: the sets are replaced, not changed."""
+        self._consumed[block], self._present[block] = self._present[block], set()
 
     def read(self, block: int, index: int) -> Tensor | None:
         """A copy of one parameter's gradient summed since ``clear``; ``None`` if it has none, or once its
@@ -75,9 +86,7 @@ class HostGrads:
         parallel the read is collective, and every rank must make the same choice)."""
         self.flush()
         self.store.wait_for_change(block)
-        if index not in self._present[block]:
-            return None
-        if block in self._consumed:
+        if index in self._consumed.get(block, ()):
             warnings.warn(
                 "megatrain: a block's gradient is dropped once its update used it (its buffer serves the "
                 "next block), so `p.grad` is None after the update; read gradients in `on_after_backward` or "
@@ -85,8 +94,48 @@ class HostGrads:
                 stacklevel=4,
             )
             return None
+        if index not in self._present[block]:
+            return None
         spec = self.store.blocks[block].params[index]
         return self.store.read_span(block, "grad", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
+
+    def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
+        """``p.grad`` for user code: a copy of the sum on ``device``, the same tensor at each read until the
+        sums are used next, as autograd's ``p.grad`` is one tensor. What user code changes in it in place
+        (``torch.nn.utils.clip_grad_norm_``, ``zero_grad(set_to_none=False)``) or assigns is written back
+        into the sums before they are used (:meth:`write_back`)."""
+        handed = self._handed_out.get((block, index))
+        if handed is not None:
+            return handed[0]
+        grad = self.read(block, index)
+        if grad is None:
+            return None
+        copy = grad.to(device, dtype)
+        self._handed_out[block, index] = (copy, copy._version)
+        return copy
+
+    def assign(self, block: int, index: int, value: Tensor | None) -> None:
+        """``p.grad = value``: the parameter's sum is ``value`` from now on (``None``, as ``Module.zero_grad``
+        sets: it has none, and the update skips it as AdamW skips a parameter without gradient)."""
+        self.flush()
+        self.store.wait_for_change(block)
+        self._handed_out.pop((block, index), None)
+        self._consumed.get(block, set()).discard(index)  # cleared (or set) after the update used it
+        if value is None:
+            self._present[block].discard(index)
+            return
+        self._handed_out[block, index] = (value, ASSIGNED)
+        self._present[block].add(index)
+
+    def write_back(self) -> list[tuple[int, int]]:
+        """Write the ``p.grad`` tensors that user code changed or assigned into the sums, forget them all;
+        returns the parameters written. Called before the sums are used: an update, a norm, an offload."""
+        handed, self._handed_out = self._handed_out, {}
+        changed = [key for key, (grad, version) in handed.items() if grad._version != version]
+        for block, index in changed:
+            grad = handed[block, index][0].detach().to("cpu", torch.float32)
+            self._add(block, "grad", set(), {index: grad})  # copied over the sum, as nothing is present
+        return changed
 
     def present(self, block: int) -> list[int]:
         """Indices of ``block``'s parameters that received a gradient since ``clear``."""
@@ -97,6 +146,11 @@ class HostGrads:
 
         ``final``: no further use of ``block`` in this backward pass will contribute gradients.
         """
+        if self._consumed.get(block):
+            raise RuntimeError(NOT_CLEARED)
+        self._consumed.pop(block, None)
+        if self._handed_out:  # what user code did to `p.grad` since the last backward comes first
+            self.write_back()
         if self._worker is None:
             self._accumulate(block, grads, final)
             then()
@@ -171,6 +225,7 @@ class HostGrads:
             for present in self._present:
                 present.clear()
             self._consumed.clear()
+            self._handed_out.clear()
 
     def close(self) -> None:
         if self._worker is not None:

@@ -31,7 +31,11 @@ class WeightSource(Protocol):
 
     def read_param(self, block: int, index: int) -> Tensor: ...
 
-    def read_grad(self, block: int, index: int) -> Tensor | None: ...
+    def user_grad(
+        self, block: int, index: int, device: torch.device, dtype: torch.dtype
+    ) -> Tensor | None: ...
+
+    def assign_grad(self, block: int, index: int, value: Tensor | None) -> None: ...
 
 
 class ParamPlaceholder(Tensor):
@@ -123,27 +127,29 @@ class ParamPlaceholder(Tensor):
 
     @property
     def grad(self) -> Tensor | None:  # type: ignore[override]
-        """A copy of the gradient accumulated in the store (warned once), ``None`` when there is none.
-        ``Module.zero_grad`` (which Lightning calls before each validation) reads it without a warning: it
-        only looks whether there is one to clear."""
+        """A copy of the gradient summed in the store (warned once), the same tensor until the sums are used
+        next; what user code changes in it is written back (:meth:`.grads.HostGrads.user_grad`). ``None``
+        when there is none. ``Module.zero_grad`` (which Lightning calls before each validation) reads it
+        without a warning: it only looks whether there is one to clear."""
         quiet = sys._getframe(1).f_code is _ZERO_GRAD
         with warnings.catch_warnings() if quiet else contextlib.nullcontext():
             if quiet:
                 warnings.simplefilter("ignore")
-            grad = self._source.read_grad(self._block, self._index)
-        if grad is not None:
-            if not quiet:
-                _warn_grad_copy()
-            return grad.to(self.device, self.dtype)
-        return None
+            grad = self._source.user_grad(self._block, self._index, self.device, self.dtype)
+        if quiet and grad is None:  # `Module.zero_grad` clears what is there: a sum its update used, too
+            self._source.assign_grad(self._block, self._index, None)
+        if grad is not None and not quiet:
+            _warn_grad_copy()
+        return grad
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
-        if value is not None:
+        if value is not None and value.shape != self.shape:
             raise RuntimeError(
-                f"megatrain: `{self._name}.grad` cannot be assigned: gradients are summed in megatrain's "
-                "store."
+                f"megatrain: `{self._name}.grad` assigned a tensor of shape {tuple(value.shape)}; the "
+                f"parameter's shape is {tuple(self.shape)}."
             )
+        self._source.assign_grad(self._block, self._index, value)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         """A real parameter holding a copy of the weights (an EMA copy of the model is a plain model)."""
@@ -200,7 +206,8 @@ def _warn_grad_copy() -> None:
     # Python's default warning filter shows it once per process.
     warnings.warn(
         "megatrain: `p.grad` is a copy of the gradient summed in megatrain's store (the device never "
-        "holds all gradients at once); each read copies it from host memory or disk.",
+        "holds all gradients at once), read from host memory or disk after each backward; what you change "
+        "in it is written back before the optimizer step.",
         stacklevel=3,
     )
 

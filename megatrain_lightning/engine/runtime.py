@@ -215,9 +215,6 @@ class Engine:
 
     # -- what the module's side asks (see megatrain_lightning.engine.weights) --
 
-    def read_grad(self, block: int, index: int) -> Tensor | None:
-        return self.grads.read(block, index)
-
     def close(self) -> None:
         """Stop the worker threads, give the module plain parameters back and release the store (the disk
         tier removes its files unless kept). The host tier's parameters become its weights in RAM; the

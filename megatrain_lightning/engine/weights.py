@@ -92,9 +92,17 @@ class StoredWeights:
         spec = self.blocks[block].params[index]
         return self.store.read_span(block, "param", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
 
-    def read_grad(self, block: int, index: int) -> Tensor | None:
+    def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
+        """``p.grad``: the gradient summed by the engine training the module (none without one)."""
         engine = self.engine
-        return engine.read_grad(block, index) if engine is not None else None
+        return engine.grads.user_grad(block, index, device, dtype) if engine is not None else None
+
+    def assign_grad(self, block: int, index: int, value: Tensor | None) -> None:
+        engine = self.engine
+        if engine is not None:
+            engine.grads.assign(block, index, value)
+        elif value is not None:
+            raise RuntimeError("megatrain: a gradient can be assigned only while the module trains.")
 
     # -- the module's forward and state-dict hooks (see megatrain_lightning.engine.hooks) --
 

@@ -39,6 +39,8 @@ class GradNorms:
         """The global norm of every present gradient after clamping each to ``±clamp`` (if given; in the
         store), stacked in ``order`` (torch's: param groups, then parameters); ``None`` without gradients."""
         self.grads.flush()
+        for key in self.grads.write_back():  # user code changed `p.grad` after its norm was taken
+            self._norms.pop(key, None)
         norms = {} if clamp is not None else self._norms
         for block in range(len(self.store.blocks)):
             if clamp is not None or any((block, i) not in norms for i in self.grads.present(block)):
