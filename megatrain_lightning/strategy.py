@@ -430,8 +430,7 @@ class MegaTrainStrategy(RankedStrategy):
         if self.engine is not None:
             failed = self.lightning_module is not None and self.lightning_module.trainer.interrupted
             with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
-                self.engine.wait_all()
-                self.engine.store.flush()
+                self.engine.settle()
             if failed:
                 self.engine.end_stopped_run()
         if self.lightning_module is not None:

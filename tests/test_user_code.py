@@ -162,6 +162,48 @@ def test_deepcopy_gives_a_plain_model_with_the_trained_weights():
     assert torch.equal(paged.module.state_dict()["model.lm_head.weight"], before)
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_casting_the_model_after_fit_casts_it_for_real(tier, tmp_path):
+    """``model.to(torch.bfloat16)`` after training (for inference or ``save_pretrained``): the model leaves
+    megatrain with real parameters, bitwise the default strategy's cast, ``.float()`` then the rounded
+    weights; a move to where the parameters are changes nothing and leaves the model paged."""
+    model = tiny_model("llama")
+    plain = user_fit(model, "auto")
+    kwargs = {"offload_dir": tmp_path / "store"} if tier == "disk" else {}
+    paged = user_fit(model, MegaTrainStrategy(**kwargs))
+    paged.module.model.to("cpu")
+    assert isinstance(paged.module.model.lm_head.weight, ParamPlaceholder)
+    ids = token_batches(1)[0]
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.float()):
+        expected, got = cast(plain.module.model), cast(paged.module.model)
+        assert not any(isinstance(p, ParamPlaceholder) for p in got.parameters())
+        for (name, a), b in zip(expected.state_dict().items(), got.state_dict().values(), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        with torch.no_grad():
+            assert torch.equal(expected(input_ids=ids).logits, got(input_ids=ids).logits)
+
+
+class CastDuringTraining(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+        pl_module.half()
+
+
+def test_casting_the_model_while_megatrain_trains_it_is_an_error():
+    with pytest.raises(RuntimeError, match="cannot be cast or moved .* while megatrain runs it"):
+        user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1, callbacks=[CastDuringTraining()])
+
+
+def test_a_trained_model_pickles_whole_as_a_plain_model(tmp_path):
+    """``torch.save(model)`` after fit: the unpickled model is a plain one with the trained weights."""
+    paged = user_fit(tiny_model("llama"), MegaTrainStrategy())
+    torch.save(paged.module.model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert not any(isinstance(p, ParamPlaceholder) for p in loaded.parameters())
+    ids = token_batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, paged.module.model(input_ids=ids).logits)
+
+
 def test_deepcopy_keeps_tied_weights_tied():
     paged = user_fit(tiny_model("gpt2"), MegaTrainStrategy(), steps=1)
     clone = copy.deepcopy(paged.module.model)

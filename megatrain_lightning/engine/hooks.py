@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from megatrain_lightning.engine.blocks import CallSite
+from megatrain_lightning.engine.placeholders import ParamPlaceholder, converting, converting_modules
 
 if TYPE_CHECKING:
     from megatrain_lightning.engine.weights import StoredWeights
@@ -31,7 +32,7 @@ def install(weights: StoredWeights) -> list[Callable[[], None]]:
             module = site.module
             own_forward = module.__dict__.get("forward")
             module.forward = PagedForward(weights, site, module.forward)
-            undo.append(functools.partial(_restore_forward, module, own_forward))
+            undo.append(functools.partial(_restore, module, "forward", own_forward))
             handles = [
                 module.register_state_dict_post_hook(
                     EngineHook(functools.partial(weights.state_dict_hook, site))
@@ -42,6 +43,11 @@ def install(weights: StoredWeights) -> list[Callable[[], None]]:
                 module.register_load_state_dict_post_hook(EngineHook(weights.forget_loaded_keys)),
             ]
             undo.extend(handle.remove for handle in handles)
+    owners = {id(b.owner): b.owner for block in weights.blocks for site in block.sites for b in site.bindings}
+    for owner in owners.values():
+        own_apply = owner.__dict__.get("_apply")
+        owner._apply = PagedApply(weights, owner, owner._apply)
+        undo.append(functools.partial(_restore, owner, "_apply", own_apply))
     return undo
 
 
@@ -58,6 +64,41 @@ class PagedForward:
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
         return copy.deepcopy(self.forward, memo)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled (``torch.save(model)``): the module's own
+        return self.forward.__reduce_ex__(protocol)
+
+
+class PagedApply:
+    """A parameter owner's ``_apply`` (``module.to``, ``.half()``, ``.cuda()``). A cast or move of its
+    placeholders outside the strategy's own conversion takes the model out of megatrain first
+    (:meth:`StoredWeights.release`), so that the weights are cast or moved for real, as a plain model's
+    are; a call that changes nothing (a move to where the parameters are) leaves it paged."""
+
+    def __init__(self, weights: StoredWeights, owner: nn.Module, apply: Callable) -> None:
+        self.weights, self.owner, self.apply = weights, owner, apply
+
+    def __call__(self, fn: Callable, recurse: bool = True) -> nn.Module:
+        if not converting() and self._changes(fn):
+            self.weights.release()
+        return self.apply(fn, recurse)
+
+    def _changes(self, fn: Callable) -> bool:
+        for param in self.owner._parameters.values():
+            if isinstance(param, ParamPlaceholder):
+                try:
+                    with converting_modules():  # what it would report, nothing read
+                        applied = fn(param)
+                except RuntimeError:  # an in-place change (`share_memory_`): for real, then
+                    return True
+                return applied.dtype != param.dtype or applied.device != param.device
+        return False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
+        return copy.deepcopy(self.apply, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.apply.__reduce_ex__(protocol)
+
 
 class EngineHook:
     """A state-dict hook that reads or writes the store; inert in a deep copy of the module."""
@@ -72,13 +113,21 @@ class EngineHook:
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
         return _nothing_with
 
+    def __reduce_ex__(self, protocol: Any) -> tuple[Callable, tuple]:
+        return _inert, ()  # pickled (``torch.save(model)``): unpickled as a hook that does nothing
+
+
+def _inert() -> Callable:
+    return _nothing_with
+
 
 def _nothing_with(*args: Any) -> None:
     return None
 
 
-def _restore_forward(module: nn.Module, own_forward: Callable | None) -> None:
-    if own_forward is None:
-        module.__dict__.pop("forward", None)
+def _restore(module: nn.Module, name: str, own: Callable | None) -> None:
+    """Give ``module`` back its own ``name`` (an instance attribute it had, or its class's)."""
+    if own is None:
+        module.__dict__.pop(name, None)
     else:
-        module.forward = own_forward
+        setattr(module, name, own)

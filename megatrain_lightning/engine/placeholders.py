@@ -170,6 +170,11 @@ class _Converting(threading.local):
 _converting = _Converting()
 
 
+def converting() -> bool:
+    """Whether the strategy converts modules now (:func:`converting_modules`)."""
+    return _converting.active
+
+
 @contextlib.contextmanager
 def converting_modules() -> Iterator[None]:
     """Within, ``module.to(dtype)`` changes the dtype placeholders report (the strategy converting a

@@ -155,6 +155,7 @@ class Engine:
         self._anchor = torch.zeros((), requires_grad=True)
         # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
         self.guard_training_reads = False
+        self.in_use = True  # a trainer runs with the engine (until `settle`)
         self.config = config
         self.pager = self._make_pager(config)
         if not weights.placeholders:
@@ -215,16 +216,25 @@ class Engine:
 
     # -- what the module's side asks (see megatrain_lightning.engine.weights) --
 
-    def close(self) -> None:
+    def close(self, materialize: bool | None = None) -> None:
         """Stop the worker threads, give the module plain parameters back and release the store (the disk
         tier removes its files unless kept). The host tier's parameters become its weights in RAM; the
-        disk tier's, in general too large for RAM, become meta tensors: save or export before. Without
-        ``close`` that happens when the module is garbage-collected or the process exits."""
+        disk tier's, in general too large for RAM, become meta tensors (save or export before) unless
+        ``materialize``. Without ``close`` that happens when the module is garbage-collected or the
+        process exits."""
         self.grads.close()  # first: a pending offload may still submit an update
         self.drop_optimizer()
         self.pager.close()
-        self.weights.give_back(materialize=not isinstance(self.store, DiskStore))
+        if materialize is None:
+            materialize = not isinstance(self.store, DiskStore)
+        self.weights.give_back(materialize)
         self.store.close()
+
+    def settle(self) -> None:
+        """The trainer's run with the engine ended: wait for its pending work, write the disk tier back."""
+        self.in_use = False
+        self.wait_all()
+        self.store.flush()
 
     # -- running --
 

@@ -69,6 +69,23 @@ class StoredWeights:
             bind(block, [nn.Parameter(v, requires_grad=f) for v, f in zip(values, flags, strict=True)])
         self.placeholders.clear()
 
+    def release(self) -> None:
+        """Take the module out of megatrain for good: real parameters holding the stored weights (in RAM,
+        the disk tier's too), its own forwards and hooks back, the store closed. What a cast or move of the
+        module after training needs (:class:`.hooks.PagedApply`), as a plain model is cast."""
+        engine = self.engine
+        if engine is not None and engine.in_use:
+            raise RuntimeError(
+                "megatrain: the module cannot be cast or moved (`.to(...)`, `.half()`, `.cuda()`) while "
+                "megatrain runs it: its weights are fp32 masters in megatrain's store. Set the Trainer's "
+                "`precision` for the compute dtype, or cast the model after `fit`."
+            )
+        if engine is not None:
+            engine.close(materialize=True)
+        else:
+            self.give_back(materialize=True)
+            self.store.close()
+
     def release_training_state(self) -> None:
         """The engine that trained the module is gone: so are its gradients and optimizer state (a later
         ``fit`` starts its moments afresh, as Lightning does), unless another engine took over already."""
