@@ -368,7 +368,7 @@ def announce_size(path: str, engine: Any, optimizer: Any) -> None:
     what = "fp32 weights and optimizer state" if optimizer is not None else "fp32 weights"
     rank_zero_info(
         f"megatrain: each checkpoint holds {what}, about {checkpoint_bytes(engine, optimizer) / 1e9:.3g} GB; "
-        f"writing {os.path.abspath(path)}"
+        f"the first is {os.path.abspath(path)}"
     )
 
 
