@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -189,8 +190,14 @@ class CastDuringTraining(L.Callback):
 
 
 def test_casting_the_model_while_megatrain_trains_it_is_an_error():
+    """Refused in a first run and in a later run of the same module (whose engine lives on)."""
     with pytest.raises(RuntimeError, match="cannot be cast or moved .* while megatrain runs it"):
         user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1, callbacks=[CastDuringTraining()])
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
+    loader = torch.utils.data.DataLoader(token_batches(1), batch_size=None)
+    trainer = quiet_trainer(MegaTrainStrategy(), 2, [CastDuringTraining()])
+    with pytest.raises(RuntimeError, match="cannot be cast or moved .* while megatrain runs it"):
+        trainer.fit(run.module, train_dataloaders=loader)
 
 
 def test_a_trained_model_pickles_whole_as_a_plain_model(tmp_path):
@@ -279,6 +286,12 @@ class GradEditLM(UserLM):
             for p in self.parameters():
                 if p.grad is not None:
                     p.grad.mul_(0.25)
+        elif self.edit == "p.grad.data clamped":  # the old idiom: `.data` has its own version counter
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.data.clamp_(-1e-3, 1e-3)
+        elif self.edit == "p.grad set to None, clipped by norm":  # its norm was taken in the backward
+            self.model.lm_head.weight.grad = None
 
 
 GRAD_EDITS = [
@@ -289,24 +302,49 @@ GRAD_EDITS = [
     "clip_grad_norm_ in the hook",
     "clip_grad_value_ in the hook",
     "p.grad scaled in place",
+    "p.grad.data clamped",
+    "p.grad set to None, clipped by norm",
 ]
 
 
 @pytest.mark.parametrize("edit", GRAD_EDITS)
 def test_gradients_user_code_changes_are_the_gradients_the_step_uses(edit):
-    """``p.grad`` is a copy of the store's sum, one tensor until the sums are next used: what user code
-    does to it (torch's clipping, in-place scaling, assignment, ``Module.zero_grad``) reaches the step,
-    bitwise the default strategy's, accumulating (hooks) or not (manual)."""
+    """``p.grad`` is a copy of the store's sum, one tensor while user code holds it: what user code does
+    to it (torch's clipping, in-place scaling through it or its ``.data``, assignment, ``Module.zero_grad``)
+    reaches the step and the trainer's clipping norm, bitwise the default strategy's, accumulating (hooks)
+    or not (manual)."""
     module_cls = type("EditLM", (GradEditLM,), {"edit": edit})
-    accumulate = 1 if edit.startswith("manual") else 2
+    options: dict[str, Any] = {"accumulate_grad_batches": 1 if edit.startswith("manual") else 2}
+    if "clipped by norm" in edit:
+        options["gradient_clip_val"] = 0.05
     model = tiny_model("llama")
-    plain = user_fit(model, "auto", module_cls=module_cls, accumulate_grad_batches=accumulate)
+    plain = user_fit(model, "auto", module_cls=module_cls, **options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "megatrain: `p.grad` is a copy")
-        paged = user_fit(
-            model, MegaTrainStrategy(), module_cls=module_cls, accumulate_grad_batches=accumulate
-        )
+        paged = user_fit(model, MegaTrainStrategy(), module_cls=module_cls, **options)
     assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+
+
+class GradReadsLetGo(L.Callback):
+    """Reads every gradient (a norm logger's pattern) and keeps only weak references to them."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        norms = [p.grad.norm() for p in pl_module.parameters() if p.grad is not None]
+        self.refs += [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        assert len(norms) == len(self.refs) > 0
+
+
+def test_gradients_read_and_let_go_are_freed_not_gathered_on_the_device():
+    """Reading every ``p.grad`` (logging norms) must not hold them all at once: the device never holds
+    every gradient, as plain would; a copy lives as long as user code holds it."""
+    reads = GradReadsLetGo()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "megatrain: `p.grad` is a copy")
+        user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1, callbacks=[reads])
+    assert reads.refs and all(ref() is None for ref in reads.refs)
 
 
 def test_gradients_never_cleared_after_a_step_are_an_error_not_a_silent_difference():

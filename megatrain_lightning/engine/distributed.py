@@ -279,12 +279,13 @@ class ShardedGrads(HostGrads):
         local = self._local.get(block)
         if local is not None and index in local[1]:
             spec = self.store.blocks[block].params[index]
-            local[0][spec.offset : spec.offset + spec.numel].zero_()  # reduced with the others' sums
+            # Zeroed, not only forgotten: the whole local sum is reduce-scattered with the other ranks'.
+            local[0][spec.offset : spec.offset + spec.numel].zero_()
             local[1].discard(index)
 
     def squared_norm(self, clamp: float | None) -> Tensor:
         """Sum of squares (fp64) of this rank's gradient shards, after clamping them to ``±clamp``."""
-        self.flush()
+        self.ready()
         total = torch.zeros((), dtype=torch.float64)
         for block in range(len(self.store.blocks)):
             present = self.present(block)

@@ -25,6 +25,7 @@ from torch import Tensor
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.engine.futures import fresh_copy
 from megatrain_lightning.engine.threads import bulk_threads, worker_pool
+from megatrain_lightning.engine.user_grads import HandedGrads
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.memory import host_empty
 from megatrain_lightning.store.sizing import STAGING_BUFFERS
@@ -36,7 +37,6 @@ NOT_CLEARED = (
     "PyTorch would add to the last step's gradients, which megatrain drops once its update used them. Call "
     "`optimizer.zero_grad()` (or `module.zero_grad()`) after `optimizer.step()`."
 )
-ASSIGNED = -1  # the version recorded for a `p.grad` user code assigned: never a tensor's, so written back
 
 
 class HostGrads:
@@ -70,8 +70,7 @@ class HostGrads:
         self.staging_bytes = 0  # allocated so far (page-locked on CUDA)
         self._pending: list[Future] = []  # every offload since the last flush, in order
         self._pass_sums: dict[int, set[int]] = {}  # block -> indices summed in "grad_pass" this pass
-        # (block, index) -> a `p.grad` handed to user code, and its version then (see `user_grad`).
-        self._handed_out: dict[tuple[int, int], tuple[Tensor, int]] = {}
+        self._handed = HandedGrads()  # the `p.grad` copies user code holds (see `user_grad`)
 
     def mark_consumed(self, block: int) -> None:
         """``block``'s update has used its gradient sums, and the store has dropped them: its next backward
@@ -100,42 +99,46 @@ class HostGrads:
         return self.store.read_span(block, "grad", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
 
     def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
-        """``p.grad`` for user code: a copy of the sum on ``device``, the same tensor at each read until the
-        sums are used next, as autograd's ``p.grad`` is one tensor. What user code changes in it in place
-        (``torch.nn.utils.clip_grad_norm_``, ``zero_grad(set_to_none=False)``) or assigns is written back
-        into the sums before they are used (:meth:`write_back`)."""
-        handed = self._handed_out.get((block, index))
-        if handed is not None:
-            return handed[0]
+        """``p.grad`` for user code: a copy of the sum on ``device`` (:mod:`.user_grads`), the same tensor at
+        each read while user code holds it; what user code changes in it or assigns reaches the sums before
+        they are used (:meth:`write_back`)."""
+        key = (block, index)
+        held = self._handed.held(key)
+        if held is not None:
+            return held
+        self._write(self._handed.take_let_go())  # a copy changed and let go: the new copy includes it
         grad = self.read(block, index)
-        if grad is None:
-            return None
-        copy = grad.to(device, dtype)
-        self._handed_out[block, index] = (copy, copy._version)
-        return copy
+        return None if grad is None else self._handed.hand_out(key, grad.to(device, dtype))
 
     def assign(self, block: int, index: int, value: Tensor | None) -> None:
         """``p.grad = value``: the parameter's sum is ``value`` from now on (``None``, as ``Module.zero_grad``
         sets: it has none, and the update skips it as AdamW skips a parameter without gradient)."""
         self.flush()
         self.store.wait_for_change(block)
-        self._handed_out.pop((block, index), None)
+        self._write(self._handed.take_let_go())
+        self._handed.assign((block, index), value)
         self._consumed.get(block, set()).discard(index)  # cleared (or set) after the update used it
         if value is None:
             self._present[block].discard(index)
-            return
-        self._handed_out[block, index] = (value, ASSIGNED)
-        self._present[block].add(index)
+        else:
+            self._present[block].add(index)
+
+    def ready(self) -> list[tuple[int, int]]:
+        """Make the sums what the step must use: every offload added, what user code did to ``p.grad``
+        written back (returns those parameters). Called before the sums are used: the norms, the step."""
+        self.flush()
+        return self.write_back()
 
     def write_back(self) -> list[tuple[int, int]]:
-        """Write the ``p.grad`` tensors that user code changed or assigned into the sums, forget them all;
-        returns the parameters written. Called before the sums are used: an update, a norm, an offload."""
-        handed, self._handed_out = self._handed_out, {}
-        changed = [key for key, (grad, version) in handed.items() if grad._version != version]
-        for block, index in changed:
-            grad = handed[block, index][0].detach().to("cpu", torch.float32)
-            self._add(block, "grad", set(), {index: grad})  # copied over the sum, as nothing is present
-        return changed
+        """Write what user code changed in or assigned to ``p.grad`` into the sums, and forget what was
+        handed out; returns the parameters written (an offload's adds come after it: :meth:`ready`)."""
+        edits = self._handed.take_all()
+        self._write(edits)
+        return [key for key, _ in edits]
+
+    def _write(self, edits: list[tuple[tuple[int, int], Tensor]]) -> None:
+        for (block, index), grad in edits:  # copied over the sum, as nothing is present
+            self._add(block, "grad", set(), {index: grad.detach().to("cpu", torch.float32)})
 
     def present(self, block: int) -> list[int]:
         """Indices of ``block``'s parameters that received a gradient since ``clear``."""
@@ -149,8 +152,7 @@ class HostGrads:
         if self._consumed.get(block):
             raise RuntimeError(NOT_CLEARED)
         self._consumed.pop(block, None)
-        if self._handed_out:  # what user code did to `p.grad` since the last backward comes first
-            self.write_back()
+        self.write_back()  # what user code did to `p.grad` since the last backward comes first
         if self._worker is None:
             self._accumulate(block, grads, final)
             then()
@@ -225,7 +227,7 @@ class HostGrads:
             for present in self._present:
                 present.clear()
             self._consumed.clear()
-            self._handed_out.clear()
+            self._handed.clear()
 
     def close(self) -> None:
         if self._worker is not None:

@@ -127,10 +127,10 @@ class ParamPlaceholder(Tensor):
 
     @property
     def grad(self) -> Tensor | None:  # type: ignore[override]
-        """A copy of the gradient summed in the store (warned once), the same tensor until the sums are used
-        next; what user code changes in it is written back (:meth:`.grads.HostGrads.user_grad`). ``None``
-        when there is none. ``Module.zero_grad`` (which Lightning calls before each validation) reads it
-        without a warning: it only looks whether there is one to clear."""
+        """A copy of the gradient summed in the store (warned once), the same tensor while user code holds
+        it; what user code changes in it is written back (:mod:`.user_grads`). ``None`` when there is none.
+        ``Module.zero_grad`` (which Lightning calls before each validation) reads it without a warning: it
+        only looks whether there is one to clear."""
         quiet = sys._getframe(1).f_code is _ZERO_GRAD
         with warnings.catch_warnings() if quiet else contextlib.nullcontext():
             if quiet:

@@ -155,7 +155,9 @@ class Engine:
         self._anchor = torch.zeros((), requires_grad=True)
         # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
         self.guard_training_reads = False
-        self.in_use = True  # a trainer runs with the engine (until `settle`)
+        # A trainer runs with the engine (from `attach` to `settle`): the module's weights are the store's,
+        # so a cast or move of the module now is refused instead of taking them out (`StoredWeights.release`).
+        self.in_use = True
         self.config = config
         self.pager = self._make_pager(config)
         if not weights.placeholders:
@@ -183,6 +185,7 @@ class Engine:
             if engine is None:
                 return cls(model, weights.blocks, config, weights)
             engine.configure(config)
+            engine.in_use = True
             return engine
         blocks = discover_blocks(model, block_classes)
         return cls(model, blocks, make_config(blocks))
@@ -231,7 +234,8 @@ class Engine:
         self.store.close()
 
     def settle(self) -> None:
-        """The trainer's run with the engine ended: wait for its pending work, write the disk tier back."""
+        """The trainer's run with the engine ended: wait for its pending work, write the disk tier back; the
+        module may leave megatrain from now on."""
         self.in_use = False
         self.wait_all()
         self.store.flush()

@@ -179,8 +179,7 @@ class CPUAdamW(Optimizer):
                     loss = closure()
         finally:
             self._in_step = False
-        self.grads.flush()
-        self.grads.write_back()  # what user code did to `p.grad` (clipped it in a hook) is the gradient
+        self.grads.ready()  # with what user code did to `p.grad` (clipped it in a hook)
         for block in range(len(self.store.blocks)):
             if not self.updates.submitted(block) and self.grads.present(block):
                 self._submit(block)

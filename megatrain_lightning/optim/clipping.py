@@ -38,17 +38,19 @@ class GradNorms:
     def total(self, order: list[Key], clamp: float | None) -> Tensor | None:
         """The global norm of every present gradient after clamping each to ``±clamp`` (if given; in the
         store), stacked in ``order`` (torch's: param groups, then parameters); ``None`` without gradients."""
-        self.grads.flush()
-        for key in self.grads.write_back():  # user code changed `p.grad` after its norm was taken
+        for key in self.grads.ready():  # user code changed `p.grad` after its norm was taken
             self._norms.pop(key, None)
         norms = {} if clamp is not None else self._norms
+        present = set()  # a gradient user code set to None after its norm was taken counts no more
         for block in range(len(self.store.blocks)):
+            present.update((block, i) for i in self.grads.present(block))
             if clamp is not None or any((block, i) not in norms for i in self.grads.present(block)):
                 norms.update(self._of_block(block, clamp))
         self.clear()
-        if not norms:
+        stacked = [norms[key] for key in order if key in present]
+        if not stacked:
             return None
-        return torch.linalg.vector_norm(torch.stack([norms[key] for key in order if key in norms]), 2.0)
+        return torch.linalg.vector_norm(torch.stack(stacked), 2.0)
 
     def clear(self) -> None:
         self._norms = {}
