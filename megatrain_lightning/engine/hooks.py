@@ -83,15 +83,16 @@ class PagedApply:
         return self.apply(fn, recurse)
 
     def _changes(self, fn: Callable) -> bool:
-        for param in self.owner._parameters.values():
-            if isinstance(param, ParamPlaceholder):
-                try:
-                    with converting_modules():  # what it would report, nothing read
-                        applied = fn(param)
-                except RuntimeError:  # an in-place change (`share_memory_`): for real, then
-                    return True
-                return applied.dtype != param.dtype or applied.device != param.device
-        return False
+        """Whether ``fn`` casts or moves the owner's placeholders (all alike: one is asked)."""
+        param = next((p for p in self.owner._parameters.values() if isinstance(p, ParamPlaceholder)), None)
+        if param is None:
+            return False
+        try:
+            with converting_modules():  # what it would report, nothing read
+                applied = fn(param)
+        except Exception:  # an in-place change (`share_memory_`) or a function only real tensors take
+            return True
+        return applied.dtype != param.dtype or applied.device != param.device
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
         return copy.deepcopy(self.apply, memo)
