@@ -37,6 +37,7 @@ from megatrain_lightning.optim.state_dict import block_state
 from megatrain_lightning.ranks import backend_for
 from megatrain_lightning.serialization.checkpoint import optimizer_block
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
+from megatrain_lightning.serialization.publish import CheckpointWriter
 from megatrain_lightning.serialization.single_file import to_lightning
 
 BATCH = 2  # per rank; the single-rank reference trains on 2 * BATCH rows per micro-batch
@@ -86,6 +87,15 @@ class ManualLM(SyncedLM):
         optimizer.step()
         optimizer.zero_grad()
         return loss
+
+
+class ScaledGradLM(SyncedLM):
+    """Scales the gradients in place before the step, as users' hooks do: on two ranks, the mean's copy."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.25)
 
 
 class SometimesLM(SyncedLM):
@@ -257,8 +267,16 @@ def _dp_fit(
         ("llama", 2, ManualLM, {}),
         ("mixtral", 2, SyncedLM, dict(gradient_clip_val=0.5, accumulate_grad_batches=2)),  # experts
         ("llama", 2, SometimesLM, dict(accumulate_grad_batches=2)),
+        ("llama", 2, ScaledGradLM, dict(gradient_clip_val=0.01)),  # the clipping norm sees the scaling
     ],
-    ids=["llama-accumulate", "gpt2-clip", "llama-manual-clip", "moe-clip-accumulate", "llama-sometimes"],
+    ids=[
+        "llama-accumulate",
+        "gpt2-clip",
+        "llama-manual-clip",
+        "moe-clip-accumulate",
+        "llama-sometimes",
+        "llama-grads-scaled-clip",
+    ],
 )
 def test_two_ranks_train_as_one_with_the_doubled_batch(
     arch: str, steps: int, module_cls: type[UserLM], options: dict[str, Any], tmp_path: Path
@@ -375,33 +393,41 @@ def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_o
 
 
 class ErrorRecorder(MegaTrainStrategy):
-    """Saves what each rank was told when a save or a load failed; rank ``first`` then waits a little (the
-    launcher reports the first rank that ends and stops the others). ``chaos``: faults injected into rank
-    ``first``'s saves (``MEGATRAIN_CHAOS``'s format)."""
+    """Saves what each rank was told when a save or a load failed (``error<rank>.txt``; of a save, also what
+    the checkpoint's folder held then, ``left<rank>.txt``); a rank then waits until every rank saved its own
+    (the launcher stops the others when a rank ends, and Lightning's SIGTERM handler then fails in a
+    collective: whichever rank ends first, no rank's record is cut short). ``chaos``: faults injected into
+    rank ``first``'s saves (``MEGATRAIN_CHAOS``'s format)."""
 
     out: Path
     first = 0
     chaos: str | None = None
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, *args: Any, **kwargs: Any) -> None:
         faults = (
             enabled(self.chaos) if self.chaos and self.global_rank == self.first else contextlib.nullcontext()
         )
-        with self._recorded(), faults:
-            super().save_checkpoint(*args, **kwargs)
+        with self._recorded(Path(filepath).parent), faults:
+            super().save_checkpoint(checkpoint, filepath, *args, **kwargs)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         with self._recorded():
             return super().load_checkpoint(*args, **kwargs)
 
     @contextlib.contextmanager
-    def _recorded(self) -> Iterator[None]:
+    def _recorded(self, folder: Path | None = None) -> Iterator[None]:
         try:
             yield
         except Exception as err:
+            if folder is not None:
+                left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+                (self.out / f"left{self.global_rank}.txt").write_text("\n".join(left))
             (self.out / f"error{self.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
-            if self.global_rank == self.first:
-                time.sleep(2)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not all(
+                (self.out / f"error{rank}.txt").exists() for rank in range(self.world_size)
+            ):
+                time.sleep(0.05)
             raise
 
 
@@ -441,11 +467,14 @@ def test_the_ranks_divide_the_checksums_and_all_refuse_a_corrupt_checkpoint(tmp_
 
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_save_failing_on_one_rank_fails_on_every_rank_and_publishes_nothing(
-    failing: int, tmp_path: Path
+    failing: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One rank runs out of space: rank 0 after both ranks wrote their blocks' files, or rank 1 at its first
     file. The other rank is told which rank failed and why, within the collective's timeout, and neither
-    a checkpoint nor a partial copy stays."""
+    a checkpoint nor a partial copy stays: no rank's save ends before rank 0 removed the temporary copy
+    (slow at it here), or the launcher, stopping the others once a rank ends, would cut the removal short."""
+    abandon = CheckpointWriter.abandon
+    monkeypatch.setattr(CheckpointWriter, "abandon", lambda writer: (time.sleep(1), abandon(writer)))
     model = tiny_model("llama")
     module = SyncedLM(copy.deepcopy(model), lr=LR)
     blocks = len(discover_blocks(module))  # each rank writes two files per block, then rank 0 the rest
@@ -462,6 +491,7 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank_and_publishes_nothing(
     assert own.startswith("CheckpointIOError: [Errno 28] megatrain: writing")
     told = (tmp_path / f"error{1 - failing}.txt").read_text()
     assert "CheckpointIOError" in told and f"rank {failing} failed" in told and "No space" in told
+    assert [(tmp_path / f"left{rank}.txt").read_text() for rank in (0, 1)] == ["", ""]
     assert not save_to.exists() or not any(save_to.iterdir())
 
 

@@ -6,9 +6,10 @@ Rank 0 checks the space and opens the temporary directory; every rank writes its
 (``block-NNNNN-rank-RRRRR-of-WWWWW.safetensors``, see :func:`.checkpoint.write_share`), rank 0 also
 Lightning's state; once every rank reported its files written and synced, rank 0 adds them to the
 manifest and publishes the directory. A failure on any rank removes the temporary directory and raises
-on every rank, so none waits for the others. Loading puts the pieces together
-(:class:`.checkpoint_dir.CheckpointDir`): a checkpoint loads into any number of ranks, each reading its own
-share; its checks and loads are collective in the same way (:func:`on_every_rank`).
+on every rank, so none waits for the others; the ranks leave the save only once it is removed
+(:func:`_raise_together`). Loading puts the pieces together (:class:`.checkpoint_dir.CheckpointDir`): a
+checkpoint loads into any number of ranks, each reading its own share; its checks and loads are collective
+in the same way (:func:`on_every_rank`).
 """
 
 from __future__ import annotations
@@ -58,9 +59,7 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
     dist.all_gather_object(reports, (writer.files, _reason(failure)))
     reasons = [reason for _, reason in reports]
     if any(reasons):  # every rank knows: each raises, no rank waits for another
-        if first:
-            writer.abandon()
-        _raise_any(failure, reasons, writer.path)
+        _raise_together(failure, reasons, writer if first else None, writer.path)
     if first:
         for files, _ in reports:
             writer.files.update(files)
@@ -102,6 +101,25 @@ def _from_first(failure: BaseException | None, value: Any, path: str) -> Any:
     dist.broadcast_object_list(message, src=0)
     _raise_any(failure, [message[1]], path)
     return message[0]
+
+
+def _raise_together(
+    failure: BaseException | None, reasons: list[str | None], abandon: CheckpointWriter | None, path: str
+) -> None:
+    """Every rank raises (:func:`_raise_any`), none before ``abandon`` (rank 0's writer) removed the temporary
+    directory: the ranks leave the save together, from a barrier. A rank that ended earlier would have the
+    launcher stop the others (SIGTERM), and Lightning's SIGTERM handler runs a collective, which fails against
+    the ended rank: its error would stop the removal halfway, leaving a partial copy, and replace the rank's
+    own. An error met on the way (such a handler's, a lost rank's) becomes the raised error's context."""
+    try:
+        try:
+            if abandon is not None:
+                abandon.abandon()
+        finally:
+            dist.barrier()
+    except Exception:  # raised in here, this rank's error has it as its context
+        _raise_any(failure, reasons, path)
+    _raise_any(failure, reasons, path)
 
 
 def _raise_any(failure: BaseException | None, reasons: list[str | None], writing: str | None) -> None:
