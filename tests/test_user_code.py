@@ -164,16 +164,19 @@ def test_deepcopy_gives_a_plain_model_with_the_trained_weights():
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_casting_the_model_after_fit_casts_it_for_real(tier, tmp_path):
+def test_casting_the_model_after_fit_casts_it_for_real(tier, tmp_path, monkeypatch, capsys):
     """``model.to(torch.bfloat16)`` after training (for inference or ``save_pretrained``): the model leaves
     megatrain with real parameters, bitwise the default strategy's cast, ``.float()`` then the rounded
-    weights; a move to where the parameters are changes nothing and leaves the model paged."""
+    weights (the disk tier's read into RAM with a progress bar, shown here for a tiny model's bytes); a move
+    to where the parameters are changes nothing and leaves the model paged."""
     model = tiny_model("llama")
     plain = user_fit(model, "auto")
     kwargs = {"offload_dir": tmp_path / "store"} if tier == "disk" else {}
     paged = user_fit(model, MegaTrainStrategy(**kwargs))
     paged.module.model.to("cpu")
     assert isinstance(paged.module.model.lm_head.weight, ParamPlaceholder)
+    monkeypatch.setattr("megatrain_lightning.telemetry.progress.SHOWN_FROM_BYTES", 1)
+    capsys.readouterr()
     ids = token_batches(1)[0]
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.float()):
         expected, got = cast(plain.module.model), cast(paged.module.model)
@@ -182,6 +185,7 @@ def test_casting_the_model_after_fit_casts_it_for_real(tier, tmp_path):
             assert a.dtype == b.dtype and torch.equal(a, b), name
         with torch.no_grad():
             assert torch.equal(expected(input_ids=ids).logits, got(input_ids=ids).logits)
+    assert ("reading weights: 100%" in capsys.readouterr().err) == (tier == "disk")
 
 
 class CastDuringTraining(L.Callback):

@@ -19,8 +19,10 @@ from torch import Tensor, nn
 
 from megatrain_lightning.engine import hooks
 from megatrain_lightning.engine.blocks import CallSite, bind
+from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.host import HostStore
 from megatrain_lightning.store.layout import Block
+from megatrain_lightning.telemetry.progress import byte_progress
 
 if TYPE_CHECKING:
     from megatrain_lightning.engine.runtime import Engine, EngineConfig
@@ -60,13 +62,16 @@ class StoredWeights:
         """Leave the module plain: its own forwards and hooks, and real parameters in place of the
         placeholders, holding the stored weights (``materialize``) or on meta."""
         self.uninstall_hooks()
-        for block, placeholders in zip(self.blocks, self.placeholders, strict=True):
-            if materialize:
-                values = block.views(self.store.read(block.index, "param"))
-            else:
-                values = [torch.empty(p.shape, device="meta") for p in block.params]
-            flags = [p.requires_grad for p in placeholders]
-            bind(block, [nn.Parameter(v, requires_grad=f) for v, f in zip(values, flags, strict=True)])
+        read = materialize and isinstance(self.store, DiskStore)  # the whole model into RAM: many GB
+        with byte_progress(4 * sum(b.numel for b in self.blocks) if read else 0, "reading weights") as bar:
+            for block, placeholders in zip(self.blocks, self.placeholders, strict=True):
+                if materialize:
+                    values = block.views(self.store.read(block.index, "param"))
+                    bar.update(4 * block.numel)
+                else:
+                    values = [torch.empty(p.shape, device="meta") for p in block.params]
+                flags = [p.requires_grad for p in placeholders]
+                bind(block, [nn.Parameter(v, requires_grad=f) for v, f in zip(values, flags, strict=True)])
         self.placeholders.clear()
 
     def release(self) -> None:
