@@ -135,8 +135,9 @@ def plan_parser() -> argparse.ArgumentParser:
     add(
         "--tflops",
         type=rate,
-        default=400.0,
-        help="compute in the compute dtype, TFLOP/s (default: a GPU's; give the CPU's with --device cpu)",
+        default=None,
+        help="compute in the compute dtype, TFLOP/s (default: 400, a GPU's; with --device cpu 1, a many-core "
+        "server CPU's in fp32: give yours)",
     )
     add("--update-gparams", type=rate, default=5.0, help="the host's AdamW, G parameters updated per s")
     add("--ranks", type=count, default=1, help="data parallel: ranks (GPUs) per node; figures per rank")
@@ -152,9 +153,10 @@ def plan_parser() -> argparse.ArgumentParser:
     add(
         "--compute-dtype",
         choices=tuple(DTYPE_BYTES),
-        default="bf16",
+        default=None,
         help="the compute dtype of a precision megatrain accepts: fp32 (32-true) or bf16 (planned as "
-        "bf16-mixed, which keeps embeddings, norms and biases fp32 on the device; bf16-true needs no more)",
+        "bf16-mixed, which keeps embeddings, norms and biases fp32 on the device; bf16-true needs no more); "
+        "default: bf16 on a GPU, fp32 with --device cpu (the Trainer's defaults there)",
     )
     add(
         "--compression",
@@ -175,11 +177,11 @@ def plan_main(argv: list[str]) -> None:
         parser.error("argument --vram: a CPU-only run (--device cpu) has no GPU memory; its memory is --ram")
     if not cpu and a.vram is None:
         parser.error("the following arguments are required: --vram (or --device cpu)")
-    speeds = (a.pcie_gbps, a.disk_gbps, a.tflops, a.update_gparams)
+    tflops = a.tflops or (1.0 if cpu else 400.0)
+    speeds = (a.pcie_gbps, a.disk_gbps, tflops, a.update_gparams)
     machine = Machine(a.vram or 0.0, a.ram, a.disk, *speeds, a.ranks, a.nodes, a.network_gbps, cpu)
-    workload = Workload(
-        a.tokens_per_step, a.micro_batch_tokens, a.compute_dtype, not a.no_activation_checkpointing
-    )
+    dtype = a.compute_dtype or ("fp32" if cpu else "bf16")
+    workload = Workload(a.tokens_per_step, a.micro_batch_tokens, dtype, not a.no_activation_checkpointing)
     try:
         plan = plan_for(a.model, machine, a.compression or "none", workload)
     except (ValueError, OSError) as err:

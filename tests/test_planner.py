@@ -401,7 +401,11 @@ def test_cpu_only_counts_activations_and_slots_in_ram():
 
 
 def test_plan_device_cpu_prints_one_memory(capsys):
-    out = _plan_out(capsys, "--model", "7b", "--device", "cpu", "--ram", "256", "--tflops", "2")
+    default = _plan_out(capsys, "--model", "7b", "--device", "cpu", "--ram", "256").splitlines()
+    assert "on the device in fp32" in default[0] and ", 1 TFLOP/s," in default[1]  # a CPU's defaults
+    out = _plan_out(
+        capsys, "--model", "7b", "--device", "cpu", "--ram", "256", "--tflops", "2", "--compute-dtype", "bf16"
+    )
     lines = out.splitlines()
     assert lines[1].startswith("machine: CPU only: 256 GB RAM (the device's memory too), 0 GB disk; no link")
     rows = _table(out)
