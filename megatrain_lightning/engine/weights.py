@@ -120,6 +120,8 @@ class StoredWeights:
         return engine.grads.user_grad(block, index, device, dtype) if engine is not None else None
 
     def assign_grad(self, block: int, index: int, value: Tensor | None) -> None:
+        """``p.grad = value``: into the sums of the engine training the module; without one there are none
+        (``None`` leaves it so)."""
         engine = self.engine
         if engine is not None:
             engine.grads.assign(block, index, value)

@@ -43,8 +43,9 @@ class GradNorms:
         norms = {} if clamp is not None else self._norms
         present = set()  # a gradient user code set to None after its norm was taken counts no more
         for block in range(len(self.store.blocks)):
-            present.update((block, i) for i in self.grads.present(block))
-            if clamp is not None or any((block, i) not in norms for i in self.grads.present(block)):
+            keys = [(block, i) for i in self.grads.present(block)]
+            present.update(keys)
+            if clamp is not None or any(key not in norms for key in keys):
                 norms.update(self._of_block(block, clamp))
         self.clear()
         stacked = [norms[key] for key in order if key in present]
