@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -55,11 +54,6 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)
-
-
-def _remove_after(cleanup: Callable[[], Any], dirs: list[str]) -> None:
-    cleanup()  # the store's files first (a no-op when its own finalizer ran already)
-    remove_empty_dirs(dirs)
 
 
 class MegaTrainStrategy(RankedStrategy):
@@ -160,7 +154,6 @@ class MegaTrainStrategy(RankedStrategy):
         if self.offload_dir is not None and self.offload_dir != "auto":
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []
-        self._release_store_dirs: Callable[[], Any] = lambda: None
         self._hf_checkpointing: Callable[[], None] = lambda: None  # puts the user's checkpointing back
         if self.max_cpu_gb is not None:
             check_host_ram(self.max_cpu_gb)
@@ -175,7 +168,6 @@ class MegaTrainStrategy(RankedStrategy):
         for a rank process that ends without running finalizers. No collectives: its peers may be gone."""
         if self.engine is not None and isinstance(self.engine.store, DiskStore):
             self.engine.store.close()
-            self._release_store_dirs()
 
     # -- precision: a string precision from the Trainer arrives as a generic plugin; make it ours --
 
@@ -247,7 +239,7 @@ class MegaTrainStrategy(RankedStrategy):
         dirs, self._created_dirs = self._created_dirs, []
         store = self.engine.store if self.engine is not None else None
         if isinstance(store, DiskStore):
-            self._release_store_dirs = weakref.finalize(store, _remove_after, store._cleanup, dirs)
+            store.made_dirs.extend(dirs)
         else:
             remove_empty_dirs(dirs)
 

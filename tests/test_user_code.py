@@ -186,6 +186,7 @@ def test_casting_the_model_after_fit_casts_it_for_real(tier, tmp_path, monkeypat
         with torch.no_grad():
             assert torch.equal(expected(input_ids=ids).logits, got(input_ids=ids).logits)
     assert ("reading weights: 100%" in capsys.readouterr().err) == (tier == "disk")
+    assert not (tmp_path / "store").exists()  # the folder made for the store went with it
 
 
 class CastDuringTraining(L.Callback):

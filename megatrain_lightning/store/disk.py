@@ -76,8 +76,10 @@ class DiskStore(ChunkedSpans, ReadAhead, HostStore):
         for kind in kinds:
             self._open(kind)
         self._files.write_manifest()
+        # The folders made for ``directory`` (by whoever made it), removed with the store when empty.
+        self.made_dirs: list[str] = []
         self._cleanup = weakref.finalize(
-            self, close_files, self._files.files, self._lock_fd, self.directory, keep
+            self, close_files, self._files.files, self._lock_fd, self.directory, keep, self.made_dirs
         )
 
     @property

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from megatrain_lightning.store.io import BlockFile, IOConfig, StoreIOError
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.memory import ALIGNMENT, pages
+from megatrain_lightning.store.preflight import remove_empty_dirs
 
 STORE_DIRNAME = "megatrain_store"
 # Gradient sums reach the disk only when the cache must evict them before their update used them: their
@@ -95,10 +96,14 @@ def lock_directory(directory: str) -> int:
     return fd
 
 
-def close_files(files: dict[str, BlockFile], lock_fd: int, directory: str, keep: bool) -> None:
-    """Close a store's files and remove its folder unless ``keep``; then let go of the folder."""
+def close_files(
+    files: dict[str, BlockFile], lock_fd: int, directory: str, keep: bool, made_dirs: list[str]
+) -> None:
+    """Close a store's files and remove its folder unless ``keep``, then the folders made for it that are
+    empty now (``made_dirs``, innermost first); then let go of the folder."""
     for file in files.values():
         file.close()
     if not keep:
         shutil.rmtree(directory, ignore_errors=True)
+        remove_empty_dirs(made_dirs)
     os.close(lock_fd)
