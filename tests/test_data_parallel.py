@@ -297,6 +297,16 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
     assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
 
 
+def test_two_ranks_route_the_router_logits_out_of_the_gathered_blocks(tmp_path: Path) -> None:
+    """A mixture of experts' router logits, collected inside the layers, leave each gathered block through
+    its call on every rank. Their load-balancing loss is weighted 0 here: each rank takes it over its half
+    batch, a statistic that is not linear in the batch (as under DDP), so only then is it one rank's."""
+    model = tiny_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0)
+    plain = _plain_fit(model, 2, accumulate_grad_batches=2)
+    paged, _ = _dp_fit(model, tmp_path, 2, accumulate_grad_batches=2)
+    assert_same_training(plain, paged)
+
+
 def test_two_ranks_in_bf16_mixed_train_as_one_within_its_rounding(tmp_path: Path) -> None:
     """Under bf16-mixed the blocks are gathered in the slot's dtypes. One rank's megatrain is bitwise plain
     Lightning's; two ranks differ from it by bf16 rounding only (autocast rounds each half batch's weight
