@@ -41,11 +41,12 @@ def _collector_variable() -> Any:
 
 @dataclass
 class Captures:
-    """What one call's block appended to the collector: the entries (key, index), and the lengths of the
-    collector's lists before the call, which the recompute's stand-in repeats (a hook may read them)."""
+    """What one call's block appended to the collector: the entries (key, index); the lengths of the
+    collector's lists before the call and its entries that are not lists (``settings``: which hidden states
+    to keep), which the recompute's stand-in repeats (a hook may read them)."""
 
     lengths: dict[str, int] = field(default_factory=dict)
-    others: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
     entries: list[tuple[str, int]] = field(default_factory=list)
 
     @contextlib.contextmanager
@@ -57,22 +58,29 @@ class Captures:
         """
         appended: list[Tensor] = []
         variable = _collector_variable()
-        collector = variable.get() if variable is not None and not recompute else None
-        if recompute and self.lengths:
-            collector = {key: [None] * length for key, length in self.lengths.items()} | self.others
-            token = variable.set(collector)
-        elif collector:
-            self.lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)}
-            self.others = {k: v for k, v in collector.items() if not isinstance(v, list)}
-            token = None
-        else:
-            yield appended
+        if variable is None or (recompute and not self.lengths):
+            yield appended  # nothing collects, or the first run collected nothing
             return
+        if recompute:
+            collector = {key: [None] * length for key, length in self.lengths.items()} | self.settings
+            token = variable.set(collector)
+        else:
+            collector, token = variable.get(), None
+            if not collector:
+                yield appended
+                return
+            self.lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)}
+            self.settings = {k: v for k, v in collector.items() if not isinstance(v, list)}
         try:
             yield appended
         finally:
             if token is not None:
                 variable.reset(token)
+        self._record(collector, recompute)
+        appended.extend(collector[key][index] for key, index in self.entries)
+
+    def _record(self, collector: dict[str, Any], recompute: bool) -> None:
+        """The entries the block appended; a recompute must append the first run's."""
         entries = [
             (key, index)
             for key, length in self.lengths.items()
@@ -85,7 +93,6 @@ class Captures:
                 f"({entries} after {self.entries}); its forward must record the same outputs each run."
             )
         self.entries = entries
-        appended.extend(collector[key][index] for key, index in entries)
 
     def hand_over(self, tensors: tuple[Tensor, ...]) -> None:
         """Put the call's outputs in the model's collector where the block's own tensors were."""

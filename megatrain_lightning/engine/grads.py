@@ -152,7 +152,8 @@ class HostGrads:
         if self._consumed.get(block):
             raise RuntimeError(NOT_CLEARED)
         self._consumed.pop(block, None)
-        self.write_back()  # what user code did to `p.grad` since the last backward comes first
+        if self._handed:  # what user code did to `p.grad` since the last backward comes first
+            self.write_back()
         if self._worker is None:
             self._accumulate(block, grads, final)
             then()

@@ -51,36 +51,42 @@ def install(weights: StoredWeights) -> list[Callable[[], None]]:
     return undo
 
 
-class PagedForward:
-    """A call site's ``forward`` while the store holds its weights. A deep copy of the module (whose
-    parameters the copy materializes) gets the module's own forward back."""
+class _StandIn:
+    """A method of a module the engine stands in for (``own``: the module's). A deep copy of the module
+    (whose parameters the copy materializes) or a pickled one (``torch.save(model)``) gets its own back."""
 
-    def __init__(self, weights: StoredWeights, site: CallSite, forward: Callable) -> None:
-        self.weights, self.site, self.forward = weights, site, forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.weights.forward(self.site, self.forward, *args, **kwargs)
+    own: Callable
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
-        return copy.deepcopy(self.forward, memo)
+        return copy.deepcopy(self.own, memo)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled (``torch.save(model)``): the module's own
-        return self.forward.__reduce_ex__(protocol)
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.own.__reduce_ex__(protocol)
 
 
-class PagedApply:
+class PagedForward(_StandIn):
+    """A call site's ``forward`` while the store holds its weights."""
+
+    def __init__(self, weights: StoredWeights, site: CallSite, forward: Callable) -> None:
+        self.weights, self.site, self.own = weights, site, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.weights.forward(self.site, self.own, *args, **kwargs)
+
+
+class PagedApply(_StandIn):
     """A parameter owner's ``_apply`` (``module.to``, ``.half()``, ``.cuda()``). A cast or move of its
     placeholders outside the strategy's own conversion takes the model out of megatrain first
     (:meth:`StoredWeights.release`), so that the weights are cast or moved for real, as a plain model's
     are; a call that changes nothing (a move to where the parameters are) leaves it paged."""
 
     def __init__(self, weights: StoredWeights, owner: nn.Module, apply: Callable) -> None:
-        self.weights, self.owner, self.apply = weights, owner, apply
+        self.weights, self.owner, self.own = weights, owner, apply
 
     def __call__(self, fn: Callable, recurse: bool = True) -> nn.Module:
         if not converting() and self._changes(fn):
             self.weights.release()
-        return self.apply(fn, recurse)
+        return self.own(fn, recurse)
 
     def _changes(self, fn: Callable) -> bool:
         """Whether ``fn`` casts or moves the owner's placeholders (all alike: one is asked)."""
@@ -93,12 +99,6 @@ class PagedApply:
         except Exception:  # an in-place change (`share_memory_`) or a function only real tensors take
             return True
         return applied.dtype != param.dtype or applied.device != param.device
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable:
-        return copy.deepcopy(self.apply, memo)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return self.apply.__reduce_ex__(protocol)
 
 
 class EngineHook:

@@ -50,6 +50,10 @@ class HandedGrads:
         # handed out. Whether it changed is asked when it is needed: a view of it may still be changed.
         self._let_go: list[tuple[Key, Tensor, int | None]] = []
 
+    def __bool__(self) -> bool:
+        """Whether anything was handed out or let go since the last :meth:`take_all` (the offload's check)."""
+        return bool(self._handed or self._let_go)
+
     def held(self, key: Key) -> Tensor | None:
         handed = self._handed.get(key)
         return None if handed is None else handed.tensor()
