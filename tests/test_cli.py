@@ -190,7 +190,8 @@ def _plan_lines(capsys, *args: str) -> list[str]:
 def test_plan_compression_bounds_the_recommendation(capsys):
     """`--compression X`: the recommendation's optimizer state is no lossier than X, or the last line says
     why X does not fit and which lossier one does."""
-    assert _plan_lines(capsys, "--disk", "500")[-1].startswith("recommended: megatrain int2 ")
+    # int2's step bound is within 10% of int4's: the less lossy one is recommended
+    assert _plan_lines(capsys, "--disk", "500")[-1].startswith("recommended: megatrain int4 ")
     assert _plan_lines(capsys, "--disk", "500", "--compression", "none")[-1].startswith(
         "recommended: megatrain none with the store on disk"
     )

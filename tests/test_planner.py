@@ -209,6 +209,12 @@ def test_recommendation_is_no_lossier_than_asked_or_says_what_is_short(machine):
         last = format_plan(plan, asked).splitlines()[-1]
         if best is not None:
             assert COMPRESSIONS.index(best.method.split()[-1]) <= COMPRESSIONS.index(asked)
+            fitting = [plan.row(f"megatrain {c}") for c in COMPRESSIONS[: COMPRESSIONS.index(asked) + 1]]
+            fitting = [r for r in fitting if r.fits]
+            less_lossy = fitting[: fitting.index(best)]
+            if best.settings.tier == "disk":  # lossier only for a step bound more than 10% shorter
+                assert best.step_s <= 1.1 * min(r.step_s for r in fitting)
+                assert all(r.step_s > 1.1 * min(r.step_s for r in fitting) for r in less_lossy)
             assert last.startswith(f"recommended: {best.method} ")
             continue
         least = plan.row(f"megatrain {asked}")  # the one needing least of those allowed

@@ -82,6 +82,7 @@ DTYPE_BYTES = {_NAMES[d]: d.itemsize for d in (MegaTrainPrecision(p).compute_dty
 GRAD_BYTES = 4.0  # fp32 host gradient accumulation buffer
 PLAIN_BYTES = 16.0  # fp32 weights, gradients and Adam m, v on the GPU
 COMPRESSIONS = tuple(OPTIMIZER_COMPRESSIONS)
+NEAR_FASTEST = 0.1  # a lossier optimizer state is recommended only for a step bound shorter by more than this
 RESERVE = 0.1  # share of GPU and host memory left to allocators, workspaces, the OS and data loading
 
 
@@ -394,13 +395,15 @@ def allowed(lossiest: str | None) -> tuple[str, ...]:
 
 def recommend(plan: Plan, lossiest: str | None = None) -> Row | None:
     """The megatrain row to use, of the compressions no lossier than ``lossiest`` (a user's bound on the
-    optimizer state's loss; ``None``: any): the least compression whose store fits in RAM, else the fitting
-    row with the shortest step bound (disk traffic shrinks with the state); ``None`` when none fits."""
+    optimizer state's loss; ``None``: any): the least compression whose store fits in RAM, else the least
+    compression whose step bound is within ``NEAR_FASTEST`` of the shortest (disk traffic shrinks with the
+    state, but a lossier state is worth only a real gain); ``None`` when none fits."""
     fitting = [r for r in (plan.row(f"megatrain {c}") for c in allowed(lossiest)) if r.fits]
     on_host = [r for r in fitting if r.settings is not None and r.settings.tier == "host"]
     if on_host:
         return on_host[0]
-    return min(fitting, key=lambda r: r.step_s, default=None)
+    fastest = min((r.step_s for r in fitting), default=None)
+    return next((r for r in fitting if r.step_s <= fastest * (1 + NEAR_FASTEST)), None)
 
 
 def shortfalls(row: Row, machine: Machine) -> list[tuple[str, float, float]]:
