@@ -797,6 +797,28 @@ def test_a_span_read_across_ranks_is_the_owners_bits() -> None:
     assert _on_two_ranks(_read_span) == [(True, True), (True, True)]
 
 
+def _write_span(rank: int) -> tuple[bool, bool]:
+    from megatrain_lightning.store.layout import Block
+
+    block = Block(0, "b", numel=1000)
+    store = _sharded_store(rank, [block])
+    before = _write_own(store, 0, torch.arange(1000, dtype=torch.float32))
+    lo, hi = store.shard.owned(block)
+    span = (lo - 100, lo + 100) if rank else (hi - 100, hi + 100)  # across the boundary of the shards
+    store.write_span(0, "param", span, -torch.arange(200, dtype=torch.float32))
+    expected = before.clone()
+    expected[span[0] : span[1]] = -torch.arange(200, dtype=torch.float32)
+    with store.pinned(0, "param", span=(lo, hi)) as own:
+        kept = torch.equal(own, expected[lo:hi])
+    return kept, torch.equal(store.read_span(0, "param", (0, 1000)), expected)
+
+
+def test_a_weight_changed_in_place_on_every_rank_is_kept_by_each_owner() -> None:
+    """User code that changes a parameter in place runs on every rank: each keeps the elements it owns,
+    and a read across the ranks sees the whole change."""
+    assert _on_two_ranks(_write_span) == [(True, True), (True, True)]
+
+
 def _gather_bf16(rank: int, blocks: list[Any]) -> tuple[bool, float]:
     from megatrain_lightning.engine.gathers import GatheredBlocks
     from megatrain_lightning.engine.slots import SlotLayout

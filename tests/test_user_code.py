@@ -16,6 +16,7 @@ from conftest import UserLM, assert_same_training, quiet_trainer, tiny_model, to
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.engine.placeholders import ParamPlaceholder
@@ -136,13 +137,91 @@ def test_reading_weights_in_training_step_raises_instead_of_losing_their_gradien
         user_fit(tiny_model("llama"), MegaTrainStrategy(), module_cls=L2PenaltyLM)
 
 
-def test_in_place_changes_outside_the_store_raise():
-    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), steps=1)
-    weight = run.module.model.model.layers[0].mlp.up_proj.weight
-    with torch.no_grad(), pytest.raises(RuntimeError, match="megatrain: .*cannot be changed in place"):
-        weight.zero_()
-    with pytest.raises(RuntimeError, match="megatrain: .*assigned a tensor of shape"):
+class ClampAfterEachStep(L.Callback):
+    """Weight clipping between steps, as a max-norm constraint's or a WGAN critic's callback does."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            for param in module.model.model.layers[0].mlp.parameters():
+                param.clamp_(-0.02, 0.02)
+
+
+def _edit_and_step_by_hand(module: UserLM) -> list[torch.Tensor]:
+    """What users do to a trained model in place, then one step of their own optimizer on it; the losses."""
+    model = module.model.model
+    weight = model.layers[1].self_attn.q_proj.weight
+    with torch.no_grad():
+        assert weight.mul_(0.5) is weight
+        weight.data.add_(1.0)
+        weight[0] = 3.0
+        weight.data[1:3, ::2] = 0.0
+        nn.init.zeros_(model.norm.weight)
+        torch._foreach_mul_(list(model.layers[0].parameters()), 2.0)
+        model.layers[0].mlp.down_proj.weight.data = torch.full_like(
+            model.layers[0].mlp.down_proj.weight, 0.01
+        )
+        vector = parameters_to_vector(model.layers[1].parameters())
+        vector_to_parameters(vector * 0.9, model.layers[1].parameters())
+        # Through views, as `nn.init.orthogonal_` and transformers' `_init_weights` (a padding row) write.
+        torch.manual_seed(0)
+        nn.init.orthogonal_(model.layers[0].mlp.up_proj.weight)
+        model.embed_tokens.weight[0].zero_()
+        row = model.layers[0].self_attn.k_proj.weight[2]
+        model.layers[0].self_attn.k_proj.weight.view(-1)[5:9].add_(1.0)
+        model.layers[0].self_attn.k_proj.weight.t()[0, 1:4] = 2.0
+        model.layers[1].mlp.up_proj.weight.chunk(2)[1].mul_(0.5)
+        down = model.layers[1].mlp.down_proj.weight
+        torch._foreach_add_([down, down.data], 1.0)  # one parameter twice: both additions
+        row.mul_(3.0)  # a view taken before the changes sees them, and writes through
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        weight.mul_(2.0)  # autograd on: refused by torch, as for a plain parameter
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    optimizer.zero_grad()
+    batch = token_batches(2, seed=5)
+    losses = [module(batch[0]).loss]
+    losses[0].backward()
+    optimizer.step()
+    with torch.no_grad():
+        losses.append(module(batch[1]).loss)
+    return losses
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_in_place_changes_of_the_weights_are_kept_as_for_plain_parameters(tier, tmp_path):
+    kwargs = {"offload_dir": tmp_path / "store", "max_cpu_gb": 0.01} if tier == "disk" else {}
+    runs = [
+        user_fit(tiny_model("llama"), strategy, steps=3, callbacks=[ClampAfterEachStep()])
+        for strategy in ("auto", MegaTrainStrategy(**kwargs))
+    ]
+    assert_same_training(*runs)
+    losses = [_edit_and_step_by_hand(run.module) for run in runs]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    assert_same_training(*runs)
+    weight = runs[1].module.model.model.layers[0].mlp.up_proj.weight
+    with pytest.raises(RuntimeError, match="megatrain: .*grad` assigned a tensor of shape"):
         weight.grad = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="megatrain: .*data` assigned a tensor of shape"):
+        weight.data = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="megatrain keeps the parameter's shape, dtype and device"):
+        weight.data = torch.zeros(weight.shape, dtype=torch.bfloat16)
+
+
+class ChangedBeforeBackwardLM(UserLM):
+    """Changes a weight between the forward and the backward that needs it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        with torch.no_grad():
+            self.model.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+        return loss
+
+
+def test_a_weight_changed_between_forward_and_backward_is_refused_as_by_pytorch():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        user_fit(model, "auto", module_cls=ChangedBeforeBackwardLM)
+    with pytest.raises(RuntimeError, match="megatrain: a weight of .*layers.0. was changed in place between"):
+        user_fit(model, MegaTrainStrategy(), module_cls=ChangedBeforeBackwardLM)
 
 
 def test_deepcopy_gives_a_plain_model_with_the_trained_weights():

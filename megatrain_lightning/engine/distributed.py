@@ -177,6 +177,15 @@ class _ShardedStore:
         dist.all_reduce(part.view(_SAME_SIZE_INT.get(part.dtype.itemsize, part.dtype)))
         return part
 
+    def write_span(self, block: int, kind: str, span: tuple[int, int], values: Tensor) -> None:
+        """Block elements ``span`` set to ``values`` on every rank, as each rank's user code sets them: each
+        keeps the part it owns (no collective)."""
+        lo, hi = self.shard.owned(self.blocks[block])
+        start, stop = max(span[0], lo), min(span[1], hi)
+        if start < stop:
+            own = values.reshape(-1)[start - span[0] : stop - span[0]]
+            super().write_span(block, kind, (start, stop), own)
+
     def _gather_ranks(self, block: int, kind: str) -> Tensor:
         """Every rank's share of ``block``'s ``kind`` in rank order, the weights' padding included (shares
         of compressed moments differ in size: each is sent padded to the largest)."""

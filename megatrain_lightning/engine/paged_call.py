@@ -130,6 +130,16 @@ def check_graph(
         )
 
 
+CHANGED_SINCE_FORWARD = (
+    "megatrain: a weight of `{block}` was changed in place between its forward and the backward that "
+    "needs it. megatrain fetches the block's weights again for its backward, so it would take the "
+    "gradients of other weights than the forward used (PyTorch refuses this too for every weight its "
+    "backward saved: 'a variable needed for gradient computation has been modified by an inplace "
+    "operation'). Change weights before the forward or after the optimizer step (e.g. in "
+    "`on_train_batch_end`)."
+)
+
+
 @dataclass(frozen=True)
 class _SlotRef:
     """A saved tensor that was a view of the block's slot: rebuilt from whichever slot holds it later."""
@@ -146,6 +156,7 @@ class PagedCall(torch.autograd.Function):
         ctx: Any, engine: Engine, site: CallSite, call: Call, anchor: Tensor, *tensors: Tensor
     ) -> Any:
         ctx.engine, ctx.site, ctx.call = engine, site, call
+        ctx.user_writes = engine.weights.user_writes[site.block.index]
         engine.backwards.forward(site.block.index)
         if engine.config.activation_checkpointing:
             ctx.forward_state = ForwardState.capture(engine.config.device)
@@ -199,6 +210,8 @@ class PagedCall(torch.autograd.Function):
         engine: Engine = ctx.engine
         site, call = ctx.site, ctx.call
         block = site.block.index
+        if engine.weights.user_writes[block] != ctx.user_writes:
+            raise RuntimeError(CHANGED_SINCE_FORWARD.format(block=site.block.name))
         checkpointed = engine.config.activation_checkpointing
         with (
             engine.resident(site, backward=True, grad=checkpointed) as (slot, bound),

@@ -6,17 +6,22 @@ storage that reports the shape, the compute device and the dtype the default str
 (Llama-4 moves its inputs to ``embed_tokens.weight.device``; ``model.dtype`` picks mask values), and
 keeps the user's ``requires_grad`` flag (unfreezing callbacks set it). Reading its *values* (a
 weight-norm callback, ``copy.deepcopy`` for an EMA copy) gives a copy read from the store; where that
-would silently lose a gradient (inside ``training_step`` with autograd on) or change the weights
-behind the store's back (in-place ops), it raises an error that names megatrain and the parameter.
+would silently lose a gradient (inside ``training_step`` with autograd on), it raises an error that
+names megatrain and the parameter. Changing it in place (``p.mul_``, ``p.data = v``, ``p[i] = v``, an
+optimizer of the user's after ``fit``) changes the copy and writes it into the store, as the weights of a
+plain parameter change. Its views (``p[0]``, ``p.view(-1)``) are placeholders too, that read and write
+the parameter (``nn.init.orthogonal_`` writes through one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +36,8 @@ class WeightSource(Protocol):
 
     def read_param(self, block: int, index: int) -> Tensor: ...
 
+    def write_param(self, block: int, index: int, value: Tensor) -> None: ...
+
     def user_grad(
         self, block: int, index: int, device: torch.device, dtype: torch.dtype
     ) -> Tensor | None: ...
@@ -38,13 +45,31 @@ class WeightSource(Protocol):
     def assign_grad(self, block: int, index: int, value: Tensor | None) -> None: ...
 
 
+@dataclass(frozen=True)
+class _ViewStep:
+    """One view op applied to a placeholder (``p[0]``, ``p.view(-1)``, ``p.split(n)[1]``)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    output: int | None  # which of the op's outputs, for ops that return several views
+
+    def __call__(self, tensor: Tensor) -> Tensor:
+        out = self.func(tensor, *self.args, **self.kwargs)
+        return out if self.output is None else out[self.output]
+
+
 class ParamPlaceholder(Tensor):
-    """Stands for parameter ``index`` of ``block`` in the engine's store (see the module docstring)."""
+    """Stands for parameter ``index`` of ``block`` in the engine's store (see the module docstring), or
+    for a view of it (``_views``): a view reads and writes the parameter through the store, as a view of a
+    plain parameter reads and writes its storage."""
 
     _source: WeightSource
     _block: int
     _index: int
     _name: str
+    _parameter: ParamPlaceholder | None  # what a view is a view of
+    _views: tuple[_ViewStep, ...]
 
     @staticmethod
     def __new__(
@@ -60,6 +85,7 @@ class ParamPlaceholder(Tensor):
     ) -> ParamPlaceholder:
         t = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
         t._source, t._block, t._index, t._name = source, block, index, name
+        t._parameter, t._views = None, ()
         return t
 
     @classmethod
@@ -71,6 +97,8 @@ class ParamPlaceholder(Tensor):
         return nn.Parameter(cls(source, block, index, name, **meta), requires_grad=requires_grad)
 
     def _like(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> ParamPlaceholder:
+        if self._views:  # `view.detach()`: the same view
+            return self._parameter._view_of(self._views, self)
         return ParamPlaceholder(
             self._source,
             self._block,
@@ -81,15 +109,55 @@ class ParamPlaceholder(Tensor):
             device or self.device,
         )
 
+    def _view_of(self, views: tuple[_ViewStep, ...], like: Tensor) -> ParamPlaceholder:
+        """A placeholder for this parameter seen through ``views``, with the geometry of ``like``."""
+        t = Tensor._make_wrapper_subclass(
+            ParamPlaceholder,
+            like.shape,
+            strides=like.stride(),
+            storage_offset=like.storage_offset(),
+            dtype=like.dtype,
+            device=self.device,
+        )
+        t._source, t._block, t._index, t._name = self._source, self._block, self._index, self._name
+        t._parameter, t._views = self, views
+        return t
+
+    def _viewed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func``, a view op, applied to this placeholder: placeholders for the views it returns."""
+        parameter = self._root
+        meta = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
+        for step in self._views:
+            meta = step(meta)
+        out = func(meta, *args, **kwargs)
+        if isinstance(out, Tensor):
+            return parameter._view_of((*self._views, _ViewStep(func, args, kwargs, None)), out)
+        return [
+            parameter._view_of((*self._views, _ViewStep(func, args, kwargs, i)), view)
+            for i, view in enumerate(out)
+        ]
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:
+        if self._views:
+            return repr(self.materialize())
         return (
             f"megatrain parameter {self._name} (shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}; weights in the store)"
         )
 
     def materialize(self) -> Tensor:
-        """A copy of the current weights, in this placeholder's dtype and on its device."""
-        return self._source.read_param(self._block, self._index).to(self.device, self.dtype)
+        """A copy of the current weights (of the view), in this placeholder's dtype and on its device."""
+        return self._seen_in(self._read_parameter())
+
+    def _read_parameter(self) -> Tensor:
+        parameter = self._root
+        return self._source.read_param(self._block, self._index).to(parameter.device, parameter.dtype)
+
+    def _seen_in(self, weights: Tensor) -> Tensor:
+        """What this placeholder shows of the parameter's ``weights``: a view of them."""
+        for step in self._views:
+            weights = step(weights)
+        return weights
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -105,19 +173,81 @@ class ParamPlaceholder(Tensor):
             ):
                 # The strategy's `module.to(dtype)` (bf16-true): what it reports changes, not the store.
                 return first._like(kwargs.get("dtype"), kwargs.get("device"))
-        written = _written_arguments(func, args, kwargs)
-        for placeholder in tree_flatten((args, kwargs))[0]:
-            if isinstance(placeholder, ParamPlaceholder):
-                placeholder._check_use(func, changed=any(placeholder is w for w in written))
-        return func(*tree_map(_materialized, args), **tree_map(_materialized, kwargs))
+            if func.is_view:
+                return first._viewed(func, args[1:], kwargs)
+        # One copy of each parameter per op (`p.add_(p.data)` sees its own change); views are its views.
+        weights: dict[tuple, Tensor] = {}
+        seen: dict[int, ParamPlaceholder] = {}
 
-    def _check_use(self, func: Any, changed: bool) -> None:
-        """Refuse what would change the store behind its back or lose a gradient."""
-        if changed:
+        def materialized(value: Any) -> Any:
+            if not isinstance(value, ParamPlaceholder):
+                return value
+            value._check_read(func)
+            key = value._key
+            if key not in weights:
+                weights[key] = value._read_parameter()
+            view = value._seen_in(weights[key])
+            seen[id(view)] = value
+            return view
+
+        args, kwargs = tree_map(materialized, args), tree_map(materialized, kwargs)
+        shapes = {key: w.shape for key, w in weights.items()}
+        result = func(*args, **kwargs)
+        written = [w for w in _written_arguments(func, args, kwargs) if id(w) in seen]
+        for key, placeholder in {seen[id(w)]._key: seen[id(w)] for w in written}.items():
+            if weights[key].shape != shapes[key]:
+                raise RuntimeError(
+                    f"megatrain: {func} would change the shape of `{placeholder._name}`; megatrain keeps "
+                    "each parameter's shape. Rebuild the model to change it."
+                )
+            placeholder._write(weights[key])
+        # An in-place op returns what it changed: the parameter (or view), not its copy.
+        returned = {id(w): seen[id(w)] for w in written}
+        return tree_map(lambda value: returned.get(id(value), value), result)
+
+    @property
+    def _root(self) -> ParamPlaceholder:
+        """The parameter's own placeholder (this one, unless this is a view)."""
+        return self if self._parameter is None else self._parameter
+
+    @property
+    def _key(self) -> tuple:
+        parameter = self._root
+        return self._block, self._index, parameter.dtype, parameter.device
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``p[i] = v`` into the store (torch would write into a view of a copy). A parameter that
+        requires grad is refused with autograd on, by torch itself, as a plain one is."""
+        weights = self._read_parameter()
+        self._seen_in(weights).requires_grad_(self.requires_grad)[key] = value
+        self._write(weights)
+
+    @property
+    def data(self) -> Tensor:  # type: ignore[override]
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        """``p.data = v`` (``vector_to_parameters`` does it) sets the weights in the store: a placeholder
+        has no data of its own to replace. The strategy's conversions (a placeholder for another dtype) and
+        a view's ``.data`` replace what the placeholder reports, as torch does."""
+        if isinstance(value, ParamPlaceholder) or self._views:
+            torch._C.TensorBase.data.__set__(self, value)
+            return
+        if (value.shape, value.dtype, value.device) != (self.shape, self.dtype, self.device):
             raise RuntimeError(
-                f"megatrain: `{self._name}` cannot be changed in place ({func}): its weights live in "
-                "megatrain's store. Use `module.load_state_dict(...)` to set weights."
+                f"megatrain: `{self._name}.data` assigned a tensor of shape {tuple(value.shape)}, "
+                f"{value.dtype}, on {value.device}; megatrain keeps the parameter's shape, dtype and device "
+                f"({tuple(self.shape)}, {self.dtype}, on {self.device}). Set its values instead, or cast the "
+                "model after `fit` (it leaves megatrain as a plain model), or rebuild it."
             )
+        self._write(value)
+
+    def _write(self, weights: Tensor) -> None:
+        self._source.write_param(self._block, self._index, weights)
+
+    def _check_read(self, func: Any) -> None:
+        """Refuse a read that would lose a gradient."""
         if self._source.guard_training_reads and torch.is_grad_enabled() and self.requires_grad:
             raise RuntimeError(
                 f"megatrain: `{self._name}` was read outside the block that owns it during `training_step` "
@@ -129,14 +259,16 @@ class ParamPlaceholder(Tensor):
     def grad(self) -> Tensor | None:  # type: ignore[override]
         """A copy of the gradient summed in the store (warned once), the same tensor while user code holds
         it; what user code changes in it is written back (:mod:`.user_grads`). ``None`` when there is none.
-        ``Module.zero_grad`` (which Lightning calls before each validation) reads it without a warning: it
-        only looks whether there is one to clear."""
-        quiet = sys._getframe(1).f_code is _ZERO_GRAD
+        ``zero_grad`` (of a module, which Lightning calls before each validation, or of an optimizer) reads it
+        without a warning: it only looks whether there is one to clear. A view has none, as a plain view."""
+        if self._views:
+            return torch._C.TensorBase.grad.__get__(self)
+        quiet = sys._getframe(1).f_code in _ZERO_GRADS
         with warnings.catch_warnings() if quiet else contextlib.nullcontext():
             if quiet:
                 warnings.simplefilter("ignore")
             grad = self._source.user_grad(self._block, self._index, self.device, self.dtype)
-        if quiet and grad is None:  # `Module.zero_grad` clears what is there: a sum its update used, too
+        if quiet and grad is None:  # `zero_grad` clears what is there: a sum its update used, too
             self._source.assign_grad(self._block, self._index, None)
         if grad is not None and not quiet:
             _warn_grad_copy()
@@ -144,6 +276,9 @@ class ParamPlaceholder(Tensor):
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
+        if self._views:
+            torch._C.TensorBase.grad.__set__(self, value)
+            return
         if value is not None and value.shape != self.shape:
             raise RuntimeError(
                 f"megatrain: `{self._name}.grad` assigned a tensor of shape {tuple(value.shape)}; the "
@@ -160,7 +295,7 @@ class ParamPlaceholder(Tensor):
 
 
 _METADATA_ONLY = {"dtype", "device", "layout", "non_blocking", "memory_format"}
-_ZERO_GRAD = nn.Module.zero_grad.__code__
+_ZERO_GRADS = {nn.Module.zero_grad.__code__, inspect.unwrap(torch.optim.Optimizer.zero_grad).__code__}
 
 
 class _Converting(threading.local):
@@ -197,10 +332,6 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
         else:
             written.append(args[position])
     return [leaf for value in written for leaf in tree_flatten(value)[0]]
-
-
-def _materialized(value: Any) -> Any:
-    return value.materialize() if isinstance(value, ParamPlaceholder) else value
 
 
 def _rebuild_parameter(data: Tensor, requires_grad: bool) -> nn.Parameter:

@@ -40,6 +40,7 @@ class StoredWeights:
         self.placeholders: list[list[nn.Parameter]] = []
         self._engine: Callable[[], Engine | None] = lambda: None
         self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see load_hook)
+        self.user_writes = [0] * len(blocks)  # in-place changes by user code, by block (see PagedCall)
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -113,6 +114,13 @@ class StoredWeights:
         """A copy of one parameter's current master weights (the store waits for a pending update)."""
         spec = self.blocks[block].params[index]
         return self.store.read_span(block, "param", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
+
+    def write_param(self, block: int, index: int, value: Tensor) -> None:
+        """One parameter's master weights set to ``value`` (an in-place change by user code, in fp32)."""
+        spec = self.blocks[block].params[index]
+        value = value.detach().to("cpu", torch.float32)
+        self.store.write_span(block, "param", (spec.offset, spec.offset + spec.numel), value)
+        self.user_writes[block] += 1
 
     def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
         """``p.grad``: the gradient summed by the engine training the module (none without one)."""

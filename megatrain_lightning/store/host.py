@@ -278,6 +278,12 @@ class HostStore:
         with self.pinned(block, kind, span=span) as flat:
             return flat.clone()
 
+    def write_span(self, block: int, kind: str, span: tuple[int, int], values: Tensor) -> None:
+        """Set block elements ``span`` of ``kind`` to ``values`` (one parameter's weights changed in place
+        by user code), ordered after the block's pending change; copies taken before go stale."""
+        with self.rewriting(block, kind, span) as flat:
+            flat.copy_(values.reshape(-1))
+
     def written(self, block: int, kinds: Iterable[str], span: tuple[int, int] | None = None) -> None:
         """``kinds`` of ``block`` (of the chunk ``span``) changed: the disk tier writes them back (nothing
         to do here)."""
