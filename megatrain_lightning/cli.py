@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 import megatrain_lightning  # noqa: F401  (registers the "megatrain" strategy)
+from megatrain_lightning.budgets import check_option_names
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.planner.plan import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, plan_for
@@ -45,6 +47,22 @@ DEFAULT_STRATEGY = {"class_path": "megatrain_lightning.MegaTrainStrategy"}
 class MegaTrainCLI(LightningCLI):
     """LightningCLI whose trainers show the step total of ``max_steps`` runs in the progress bar, and
     whose megatrain strategy options are checked before anything is built."""
+
+    @override
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """A misspelt strategy option on the command line (``--trainer.strategy.max_vram=2``) is the same
+        usage error as its value's mistakes, with the closest name (jsonargparse would print its union's
+        whole search)."""
+        argv = sys.argv[1:] if args is None else args
+        if isinstance(argv, list):
+            own = inspect.signature(MegaTrainStrategy.__init__).parameters
+            names = [name for name in _strategy_option_names(argv) if name not in own]
+            try:
+                check_option_names(MegaTrainStrategy, dict.fromkeys(names))
+            except MisconfigurationException as err:
+                subcommand = argv[0] if argv else ""
+                self._subcommand_parsers.get(subcommand, parser).error(f"--trainer.strategy: {err}")
+        super().parse_arguments(parser, args)
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -68,6 +86,26 @@ class MegaTrainCLI(LightningCLI):
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         kwargs["callbacks"] = with_progress_bar(callbacks, config.get("enable_progress_bar") is not False)
         return super().instantiate_trainer(**kwargs)
+
+
+def _strategy_option_names(argv: list[str]) -> list[str]:
+    """The option names of ``--trainer.strategy.NAME`` flags where the strategy is megatrain's (the
+    default, ``megatrain`` or its class path)."""
+    names, strategy = [], None
+    for i, arg in enumerate(argv):
+        key, _, value = arg.partition("=")
+        if key == "--trainer.strategy":
+            strategy = value or (argv[i + 1] if i + 1 < len(argv) else "")
+        elif key.startswith("--trainer.strategy."):
+            name = key.removeprefix("--trainer.strategy.").removeprefix("init_args.").split(".")[0]
+            if name != "class_path":
+                names.append(name)
+    if strategy in (None, "megatrain"):
+        return names
+    try:
+        return names if _is_megatrain(strategy) else []
+    except ImportError:  # not a class path: jsonargparse says so
+        return []
 
 
 def _is_megatrain(class_path: str) -> bool:

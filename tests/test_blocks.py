@@ -196,5 +196,13 @@ def test_a_block_computing_with_another_blocks_tensor_is_refused_clearly(make_mo
 
 @pytest.mark.parametrize("arch", ["hrm_text", "zaya"])
 def test_a_model_whose_layer_container_owns_parameters_is_refused_clearly(arch):
-    with pytest.raises(MisconfigurationException, match="owns parameters and also contains the blocks"):
+    with pytest.raises(MisconfigurationException, match="owns parameters .* and also contains the blocks"):
         discover_blocks(tiny_zoo_model(arch))
+
+
+def test_a_soft_prompt_on_the_lightning_module_itself_is_refused_with_the_fix():
+    model = nn.Module()
+    model.prompt = nn.Parameter(torch.zeros(4, 8))  # as a LightningModule holding a soft prompt
+    model.llm = tiny_zoo_model("llama")
+    with pytest.raises(MisconfigurationException, match=r"\['prompt'\].*Move them into a submodule"):
+        discover_blocks(model)

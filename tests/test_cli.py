@@ -277,6 +277,8 @@ def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     [
         ("offload_dir={file}", "exists and is not a directory"),
         ("max_vram_gb=-1", "must be a positive number of GB"),
+        ("max_vram=2", "has no option `max_vram`. Did you mean `max_vram_gb`?"),
+        ("init_args.max_vram=2", "has no option `max_vram`. Did you mean `max_vram_gb`?"),
     ],
 )
 def test_a_strategy_option_mistake_is_a_usage_error_naming_it(tmp_path, capsys, option, message):

@@ -67,6 +67,27 @@ def test_grad_mode_dependent_forward_and_device_reads_are_exact(checkpointing):
     assert_same_training(plain, user_fit(_toy(), strategy))
 
 
+class StatefulLayer(nn.Module):
+    """A layer whose forward updates state: BatchNorm's running statistics, spectral norm's vectors."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.utils.parametrizations.spectral_norm(nn.Linear(width, width))
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.linear(x).transpose(1, 2)).transpose(1, 2))
+
+
+def test_state_a_forward_updates_is_updated_once_per_step_despite_the_recompute():
+    model = _toy()
+    model.layers = nn.ModuleList(StatefulLayer(32) for _ in range(2))
+    plain = user_fit(model, "auto")
+    paged = user_fit(model, MegaTrainStrategy(block_classes=[StatefulLayer]))
+    assert_same_training(plain, paged)  # the buffers too: running statistics, power-iteration vectors
+    assert int(paged.module.model.layers[0].norm.num_batches_tracked) == 4
+
+
 class BuildsInConfigureModel(UserLM):
     """A user's module that builds a plain-PyTorch model in ``configure_model``."""
 
@@ -700,3 +721,43 @@ def test_a_second_backward_through_one_forward_raises_instead_of_updating_early(
     strategy = MegaTrainStrategy(activation_checkpointing=True)
     with pytest.raises(RuntimeError, match="second backward through one forward"):
         user_fit(tiny_model("llama"), strategy, module_cls=TwiceBackwardLM)
+
+
+class TwoLossesOneForwardLM(UserLM):
+    """Manual optimization with two backwards through one forward (``retain_graph=True``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        out = self(batch)
+        self.manual_backward(out.loss, retain_graph=True)
+        self.manual_backward(out.logits.float().pow(2).mean() * 1e-3)
+        optimizer.step()
+        optimizer.zero_grad()
+        return out.loss.detach()
+
+
+def test_two_backwards_through_one_forward_in_manual_optimization():
+    model = tiny_model("llama")
+    plain = user_fit(model, "auto", steps=2, module_cls=TwoLossesOneForwardLM)
+    assert_same_training(
+        plain, user_fit(model, MegaTrainStrategy(), steps=2, module_cls=TwoLossesOneForwardLM)
+    )
+    strategy = MegaTrainStrategy(activation_checkpointing=False)
+    with pytest.raises(
+        RuntimeError, match="second backward through .* needs .*activation_checkpointing=True"
+    ):
+        user_fit(model, strategy, steps=2, module_cls=TwoLossesOneForwardLM)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_forward_hooks_inside_a_block_run_again_in_the_recompute_as_the_readme_says(checkpointing):
+    model = tiny_model("llama")
+    calls = {"layer": 0, "mlp": 0}
+    model.model.layers[0].register_forward_hook(lambda *_: calls.__setitem__("layer", calls["layer"] + 1))
+    model.model.layers[0].mlp.register_forward_hook(lambda *_: calls.__setitem__("mlp", calls["mlp"] + 1))
+    user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1)
+    assert calls == {"layer": 1, "mlp": 2 if checkpointing else 1}

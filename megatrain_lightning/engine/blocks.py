@@ -112,10 +112,18 @@ def discover_blocks(model: nn.Module, block_classes: Iterable[str | type] | None
     for name in owners:
         nested = [r for r in block_roots if name == "" or r.startswith(name + ".")]
         if nested:
+            own = [n for n, p in owners[name]._parameters.items() if p is not None]
+            fix = (
+                "Move them into a submodule whose forward computes with them (or returns them: a soft "
+                "prompt as an `nn.Embedding`, or a small `nn.Module`), and call it where they are used."
+                if name == ""
+                else "Name it in `block_classes` (it is then paged as one block) or move them into a "
+                "submodule whose forward computes with them."
+            )
             raise MisconfigurationException(
-                f"Module `{name or type(model).__name__}` owns parameters and also contains the blocks "
-                f"{nested[:2]}...; megatrain cannot page it. Name it in `block_classes` or move its "
-                "parameters into a submodule."
+                f"megatrain: module `{name or type(model).__name__}` owns parameters ({own[:3]}) and also "
+                f"contains the blocks {nested[:2]}...: megatrain pages parameters with the module call "
+                f"that uses them, and this module's call would hold every block at once. {fix}"
             )
 
     order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}

@@ -21,7 +21,12 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from megatrain_lightning.engine.blocks import CallSite
 from megatrain_lightning.engine.captures import Captures
-from megatrain_lightning.engine.recompute import ESCAPED, ForwardState, discarding_saved_tensors
+from megatrain_lightning.engine.recompute import (
+    ESCAPED,
+    ForwardState,
+    discarding_saved_tensors,
+    noting_changed_buffers,
+)
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 if TYPE_CHECKING:
@@ -164,6 +169,7 @@ class PagedCall(torch.autograd.Function):
                 engine.resident(site, backward=False, grad=True) as (slot, leaves),
                 torch.enable_grad(),
                 discarding_saved_tensors(),
+                noting_changed_buffers(site.module, ctx.forward_state),
                 TIMELINE.span("compute"),
             ):
                 inputs = _detached(tensors)
@@ -213,6 +219,12 @@ class PagedCall(torch.autograd.Function):
         if engine.weights.user_writes[block] != ctx.user_writes:
             raise RuntimeError(CHANGED_SINCE_FORWARD.format(block=site.block.name))
         checkpointed = engine.config.activation_checkpointing
+        if not checkpointed and not hasattr(ctx, "graph"):
+            raise RuntimeError(
+                f"megatrain: a second backward through `{site.block.name}` (`retain_graph=True`) needs "
+                "`MegaTrainStrategy(activation_checkpointing=True)` (the default): without it each block's "
+                "graph is freed by its first backward, to free its activations at once."
+            )
         with (
             engine.resident(site, backward=True, grad=checkpointed) as (slot, bound),
             TIMELINE.span("compute"),

@@ -2,7 +2,10 @@
 
 A block's forward runs twice under activation checkpointing (in forward, and again in backward).
 The rule follows ``torch.utils.checkpoint``'s non-reentrant semantics: both runs happen in the grad
-mode the plain model would use, with the same RNG and autocast state. And, as Hugging Face's own
+mode the plain model would use, with the same RNG and autocast state. Beyond it, buffers the first run
+changed (BatchNorm's running statistics, spectral norm's power-iteration vectors) are as they were
+before it during the recompute and as the first run left them after: each forward updates them once,
+as in the plain model. And, as Hugging Face's own
 ``GradientCheckpointingLayer`` does, a recomputed block never receives a key/value cache in a training
 pass: ``DynamicCache.update`` appends, so a recompute would attend over every key twice (or crash on a
 shape mismatch for models that build explicit masks). A block that runs once (no checkpointing) and
@@ -17,7 +20,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,15 +79,20 @@ def _positional_names(forward: Callable) -> tuple[str, ...]:
     return _positional_names_of(function)[1:]
 
 
+BufferKey = tuple[torch.nn.Module, str]
+
+
 @dataclass(frozen=True)
 class ForwardState:
-    """What a block's first run saw and its recompute must see again (``torch.utils.checkpoint`` keeps
-    the same): the CPU and device RNG states and the CPU and device autocast settings."""
+    """What a block's first run saw and its recompute must see again: the CPU and device RNG states and
+    the CPU and device autocast settings (``torch.utils.checkpoint`` keeps the same), and the buffers
+    the first run changed, as they were before it (filled by :func:`noting_changed_buffers`)."""
 
     device: torch.device
     cpu_rng: Tensor
     device_rng: Tensor | None
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    buffers: dict[BufferKey, Tensor] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, device: torch.device) -> ForwardState:
@@ -95,8 +103,10 @@ class ForwardState:
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
-        """Run with the captured RNG and autocast state; the RNG continues afterwards as it was."""
+        """Run with the captured RNG, autocast state and buffers; afterwards the RNG continues and the
+        buffers are the objects they were before."""
         devices = [self.device] if self.device_rng is not None else []
+        now = {(module, name): module._buffers[name] for module, name in self.buffers}
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=devices, device_type=self.device.type))
             torch.set_rng_state(self.cpu_rng)
@@ -104,7 +114,32 @@ class ForwardState:
                 torch.cuda.set_rng_state(self.device_rng, self.device)
             for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            yield
+            for (module, name), before in self.buffers.items():
+                module._buffers[name] = before.clone()  # a copy: a second backward starts from it again
+            try:
+                yield
+            finally:
+                for (module, name), buffer in now.items():
+                    module._buffers[name] = buffer
+
+
+@contextlib.contextmanager
+def noting_changed_buffers(module: torch.nn.Module, state: ForwardState) -> Iterator[None]:
+    """Run ``module``'s first run noting in ``state`` its buffers as they were before: every persistent
+    buffer, copied (the state a module keeps, which some kernels update without moving the tensor's
+    version: BatchNorm's), and any buffer the run replaced by another tensor (the one it replaced).
+    A non-persistent buffer (a causal mask, rotary frequencies) changed in place is not noted."""
+    with torch.no_grad():
+        before = [
+            (m, name, b, None if name in m._non_persistent_buffers_set else b.clone())
+            for m in module.modules()
+            for name, b in m._buffers.items()
+            if b is not None
+        ]
+    yield
+    for m, name, buffer, copy in before:
+        if copy is not None or m._buffers.get(name) is not buffer:
+            state.buffers[(m, name)] = buffer if copy is None else copy
 
 
 ESCAPED = (

@@ -176,6 +176,7 @@ def _build(compiler: str, archs: list[list[str]] = _ARCH_FLAGS) -> Path:
         target = _writable_cache() / f"quantized_adamw-{key}.so"
         if target.exists():
             return target
+        rank_zero_info(f"megatrain: compiling the CPU AdamW kernel (once; cached in {target.parent})")
         # build under a unique name, then rename: concurrent processes never load a half-written file
         fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=target.parent)
         os.close(fd)
@@ -224,16 +225,14 @@ def load_kernel() -> _Kernel | None:
 
 
 def prepare() -> str:
-    """Build or find the kernel now (at ``setup``, before the first step), saying so while it compiles;
-    returns :func:`backend`."""
+    """Build or find the kernel now (at ``setup``, before the first step), saying so while it compiles
+    (:func:`_build`; a cached build loads quietly); returns :func:`backend`."""
     if _kernel is None and _kernel_error is None:
-        rank_zero_info(
-            f"megatrain: preparing the compiled AdamW kernel (compressed state, bf16 shadow; built once, in "
-            f"{cache_dir()})"
-        )
         start = time.perf_counter()
         load_kernel()
-        rank_zero_info(f"megatrain: AdamW kernel {backend()} ready in {time.perf_counter() - start:.1f} s")
+        seconds = time.perf_counter() - start
+        if seconds >= 1:
+            rank_zero_info(f"megatrain: AdamW kernel {backend()} ready in {seconds:.1f} s")
     if _kernel is None:
         warn_fallback()
     return backend()

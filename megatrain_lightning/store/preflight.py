@@ -32,8 +32,10 @@ def prepare_offload_dir(path: str) -> str:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as err:
+        failed = f"{err.filename!r}: {err.strerror}" if err.filename else err.strerror
         raise MisconfigurationException(
-            f"`offload_dir={path!r}` is not a writable directory ({err.strerror}); choose another folder."
+            f"`offload_dir={path!r}` is not a writable directory and cannot be made one ({failed}); "
+            "choose another folder."
         ) from err
     return path
 
