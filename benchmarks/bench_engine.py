@@ -10,7 +10,10 @@ same initial weights and batches in every case:
 - ``d``: as ``c`` with activation checkpointing (recomputes each block: about 1/3 more compute);
 - ``e``: as ``c`` with ``zero_copy=False``: on the CPU in fp32, ``b`` to ``d`` compute on the store's
   weights themselves (no slots, so the budget changes nothing there); ``e`` copies them into two slots,
-  as a GPU would (not run unless named in ``--cases``).
+  as a GPU would (not run unless named in ``--cases``);
+- ``f``, ``g``: the disk tier (a store under a temporary folder, its default cache of the RAM) with a
+  slot for every block and with two slots (what a CPU run gets by default), activation checkpointing
+  on (not run unless named).
 
 A step's time is the time from one ``on_train_batch_start`` to the next, so it includes block
 updates that megatrain finishes after ``on_train_batch_end``; the first ``--warmup`` steps are
@@ -26,10 +29,13 @@ pools their steps. Run ``python benchmarks/bench_engine.py --quick`` for a smoke
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import gc
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +66,7 @@ class Case:
     budget: str | None = None
     activation_checkpointing: bool = False
     zero_copy: bool = True
+    disk: bool = False
 
 
 CASES = {
@@ -68,6 +75,8 @@ CASES = {
     "c": Case("c", "megatrain, budget 2 blocks", "2blocks"),
     "d": Case("d", "megatrain, budget 2 blocks, act. ckpt", "2blocks", activation_checkpointing=True),
     "e": Case("e", "megatrain, budget 2 blocks, slots", "2blocks", zero_copy=False),
+    "f": Case("f", "megatrain disk tier, budget 1.1 x model", "model", True, disk=True),
+    "g": Case("g", "megatrain disk tier, budget 2 blocks", "2blocks", True, disk=True),
 }
 
 
@@ -225,7 +234,15 @@ def make_strategy(case: Case, model: PreTrainedModel) -> MegaTrainStrategy | str
         max_vram_gb=budget / 1e9,
         activation_checkpointing=case.activation_checkpointing,
         zero_copy=case.zero_copy,
+        offload_dir=_scratch_folder() if case.disk else None,
     )
+
+
+def _scratch_folder() -> str:
+    """A new folder for one disk-tier run's store, removed when the benchmark exits."""
+    path = tempfile.mkdtemp(prefix="bench_engine-store-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def trainer_kwargs(accelerator: str, precision: str) -> dict[str, Any]:

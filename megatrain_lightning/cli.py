@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, Trainer
@@ -61,7 +62,7 @@ class MegaTrainCLI(LightningCLI):
                 check_option_names(MegaTrainStrategy, dict.fromkeys(names))
             except MisconfigurationException as err:
                 subcommand = argv[0] if argv else ""
-                self._subcommand_parsers.get(subcommand, parser).error(f"--trainer.strategy: {err}")
+                self._parser_of(subcommand, parser).error(f"--trainer.strategy: {err}")
         super().parse_arguments(parser, args)
 
     @override
@@ -76,8 +77,11 @@ class MegaTrainCLI(LightningCLI):
         try:
             MegaTrainStrategy(**options)
         except MisconfigurationException as err:
-            parser = self._subcommand_parsers.get(str(self.subcommand), self.parser)
-            parser.error(f"--trainer.strategy: {err}")
+            self._parser_of(str(self.subcommand), self.parser).error(f"--trainer.strategy: {err}")
+
+    def _parser_of(self, subcommand: str, default: Any) -> Any:
+        """The parser whose usage an error shows: the subcommand's (none without subcommands)."""
+        return getattr(self, "_subcommand_parsers", {}).get(subcommand, default)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -88,24 +92,50 @@ class MegaTrainCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+_NOT_OPTIONS = {"class_path", "help", "dict_kwargs"}  # jsonargparse's own keys under a class
+
+
 def _strategy_option_names(argv: list[str]) -> list[str]:
     """The option names of ``--trainer.strategy.NAME`` flags where the strategy is megatrain's (the
-    default, ``megatrain`` or its class path)."""
-    names, strategy = [], None
-    for i, arg in enumerate(argv):
-        key, _, value = arg.partition("=")
-        if key == "--trainer.strategy":
-            strategy = value or (argv[i + 1] if i + 1 < len(argv) else "")
+    default, or named so by a flag or a ``--config`` file); none where it is another or unknown (a
+    config file that cannot be read): jsonargparse reports those."""
+    names: list[str] = []
+    strategy: str | None = "megatrain"
+    args = iter(argv)
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if key in ("--config", "--trainer.strategy", "--trainer.strategy.class_path"):
+            value = value if sep else next(args, "")
+            strategy = _configured_strategy(value, strategy) if key == "--config" else value
         elif key.startswith("--trainer.strategy."):
             name = key.removeprefix("--trainer.strategy.").removeprefix("init_args.").split(".")[0]
-            if name != "class_path":
+            if name not in _NOT_OPTIONS:
                 names.append(name)
-    if strategy in (None, "megatrain"):
-        return names
+    return names if _names_megatrain(strategy) else []
+
+
+def _configured_strategy(path: str, before: str | None) -> str | None:
+    """The strategy a ``--config`` file names (its class path), ``before`` where it names none, ``None``
+    where the file cannot be read."""
     try:
-        return names if _is_megatrain(strategy) else []
-    except ImportError:  # not a class path: jsonargparse says so
-        return []
+        with open(path) as file:
+            config = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError):
+        return None
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    strategy = trainer.get("strategy") if isinstance(trainer, dict) else None
+    if isinstance(strategy, dict):
+        strategy = strategy.get("class_path")
+    return strategy if isinstance(strategy, str) else before
+
+
+def _names_megatrain(strategy: str | None) -> bool:
+    if strategy in ("megatrain", "MegaTrainStrategy"):
+        return True
+    try:
+        return strategy is not None and _is_megatrain(strategy)
+    except Exception:  # not a class path: jsonargparse says so
+        return False
 
 
 def _is_megatrain(class_path: str) -> bool:

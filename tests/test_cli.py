@@ -297,6 +297,36 @@ def test_a_strategy_option_mistake_is_a_usage_error_naming_it(tmp_path, capsys, 
     assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
 
 
+@pytest.mark.parametrize("names", ["flag", "config"])
+def test_options_of_another_strategy_are_left_to_jsonargparse(tmp_path, capsys, names):
+    ddp = "lightning.pytorch.strategies.DDPStrategy"
+    (tmp_path / "ddp.yaml").write_text(f"trainer:\n  strategy:\n    class_path: {ddp}\n")
+    strategy = (
+        [f"--trainer.strategy.class_path={ddp}"]
+        if names == "flag"
+        else ["--config", str(tmp_path / "ddp.yaml")]
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            [
+                "fit",
+                "--config",
+                str(TINY_YAML),
+                *strategy,
+                "--trainer.strategy.find_unused_parameters=true",
+                "--print_config",
+            ]
+        )
+    assert exit_.value.code == 0, capsys.readouterr().err
+    assert "find_unused_parameters: true" in capsys.readouterr().out
+
+
+def test_a_misspelt_strategy_option_is_a_usage_error_without_subcommands_too(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lightning_cli(["--trainer.strategy.max_vram=2"], run=False)
+    assert exit_.value.code == 2 and "Did you mean `max_vram_gb`?" in capsys.readouterr().err
+
+
 def test_fit_resumes_from_ckpt_path(tmp_path):
     """`megatrain fit --ckpt_path`: a checkpoint of a run with omegaconf hyperparameters (as the Hydra app
     writes) loads with weights_only=True and training goes on from its step."""

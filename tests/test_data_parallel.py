@@ -797,7 +797,7 @@ def test_a_span_read_across_ranks_is_the_owners_bits() -> None:
     assert _on_two_ranks(_read_span) == [(True, True), (True, True)]
 
 
-def _write_span(rank: int) -> tuple[bool, bool]:
+def _write_span(rank: int) -> tuple[bool, bool, bool]:
     from megatrain_lightning.store.layout import Block
 
     block = Block(0, "b", numel=1000)
@@ -810,13 +810,17 @@ def _write_span(rank: int) -> tuple[bool, bool]:
     expected[span[0] : span[1]] = -torch.arange(200, dtype=torch.float32)
     with store.pinned(0, "param", span=(lo, hi)) as own:
         kept = torch.equal(own, expected[lo:hi])
-    return kept, torch.equal(store.read_span(0, "param", (0, 1000)), expected)
+    whole = torch.equal(store.read_span(0, "param", (0, 1000)), expected)
+    version = store.version(0)
+    store.write_span(0, "param", (10, 20), torch.zeros(10))  # rank 0's elements only
+    return kept, whole, store.version(0) == version + 1
 
 
 def test_a_weight_changed_in_place_on_every_rank_is_kept_by_each_owner() -> None:
     """User code that changes a parameter in place runs on every rank: each keeps the elements it owns,
-    and a read across the ranks sees the whole change."""
-    assert _on_two_ranks(_write_span) == [(True, True), (True, True)]
+    a read across the ranks sees the whole change, and the block's version moves on every rank (each
+    drops its gathered copies alike), the owner's or not."""
+    assert _on_two_ranks(_write_span) == [(True, True, True), (True, True, True)]
 
 
 def _gather_bf16(rank: int, blocks: list[Any]) -> tuple[bool, float]:

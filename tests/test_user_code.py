@@ -67,6 +67,27 @@ def test_grad_mode_dependent_forward_and_device_reads_are_exact(checkpointing):
     assert_same_training(plain, user_fit(_toy(), strategy))
 
 
+class SharedLayersLM(ToyLM):
+    """Its layers called again at later positions (weights shared across depth, as in ALBERT)."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        h = self.embed(input_ids)
+        for i in (0, 1, 0, 1):
+            h = self.layers[i](h)
+        logits = self.head(h)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_block_called_several_times_in_one_step_trains_as_plain(checkpointing):
+    torch.manual_seed(0)
+    model = SharedLayersLM(layers=2)
+    plain = user_fit(model, "auto")
+    strategy = MegaTrainStrategy(block_classes=[GradModeLayer], activation_checkpointing=checkpointing)
+    assert_same_training(plain, user_fit(model, strategy))
+
+
 class StatefulLayer(nn.Module):
     """A layer whose forward updates state: BatchNorm's running statistics, spectral norm's vectors."""
 
@@ -79,13 +100,32 @@ class StatefulLayer(nn.Module):
         return x + torch.tanh(self.norm(self.linear(x).transpose(1, 2)).transpose(1, 2))
 
 
-def test_state_a_forward_updates_is_updated_once_per_step_despite_the_recompute():
+class CountingLayer(nn.Module):
+    """A step count one submodule advances and another reads (one tensor, two buffers), and a buffer
+    its first forward uses up (deletes)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        count = torch.zeros(())
+        self.counter, self.scaled = nn.Module(), nn.Linear(width, width)
+        self.counter.register_buffer("count", count)
+        self.scaled.register_buffer("count", count)
+        self.register_buffer("once", torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "once" in self._buffers:
+            x = x * self._buffers.pop("once")
+        self.counter.count.add_(1.0)
+        return x + torch.tanh(self.scaled(x) * self.scaled.count)
+
+
+@pytest.mark.parametrize("layer", [StatefulLayer, CountingLayer])
+def test_state_a_forward_updates_is_updated_once_per_step_despite_the_recompute(layer):
     model = _toy()
-    model.layers = nn.ModuleList(StatefulLayer(32) for _ in range(2))
+    model.layers = nn.ModuleList(layer(32) for _ in range(2))
     plain = user_fit(model, "auto")
-    paged = user_fit(model, MegaTrainStrategy(block_classes=[StatefulLayer]))
+    paged = user_fit(model, MegaTrainStrategy(block_classes=[layer]))
     assert_same_training(plain, paged)  # the buffers too: running statistics, power-iteration vectors
-    assert int(paged.module.model.layers[0].norm.num_batches_tracked) == 4
 
 
 class BuildsInConfigureModel(UserLM):
@@ -225,6 +265,10 @@ def test_in_place_changes_of_the_weights_are_kept_as_for_plain_parameters(tier, 
         weight.data = torch.zeros(3)
     with pytest.raises(RuntimeError, match="megatrain keeps the parameter's shape, dtype and device"):
         weight.data = torch.zeros(weight.shape, dtype=torch.bfloat16)
+    with pytest.raises(
+        RuntimeError, match="cannot be replaced by another tensor's storage .*Tie weights before"
+    ):
+        weight.data = runs[1].module.model.model.layers[1].mlp.up_proj.weight.data
 
 
 class ChangedBeforeBackwardLM(UserLM):

@@ -179,12 +179,16 @@ class _ShardedStore:
 
     def write_span(self, block: int, kind: str, span: tuple[int, int], values: Tensor) -> None:
         """Block elements ``span`` set to ``values`` on every rank, as each rank's user code sets them: each
-        keeps the part it owns (no collective)."""
+        keeps the part it owns (no collective). The block changes on every rank alike, owner or not: each
+        drops its gathered copies of it."""
         lo, hi = self.shard.owned(self.blocks[block])
         start, stop = max(span[0], lo), min(span[1], hi)
         if start < stop:
             own = values.reshape(-1)[start - span[0] : stop - span[0]]
             super().write_span(block, kind, (start, stop), own)
+        else:
+            self.wait_for_change(block)
+            self.will_change(block)
 
     def _gather_ranks(self, block: int, kind: str) -> Tensor:
         """Every rank's share of ``block``'s ``kind`` in rank order, the weights' padding included (shares

@@ -3,7 +3,10 @@
 They are summed into fp32 host buffers in the store (kind ``"grad"``) exactly as autograd
 sums them into ``param.grad``: within one backward pass, the contributions of a block's several
 uses (GPT-2's tied embedding and head) are added together first (kind ``"grad_pass"``), and that
-sum is then added to what earlier micro-batches left. The results are bitwise plain PyTorch's.
+sum is then added to what earlier micro-batches left. The results are bitwise plain PyTorch's, but
+for a block called several times in one pass whose call also uses a weight several times (``x @ w``
+and ``x @ w.t()``): autograd adds those contributions one by one, across calls, megatrain adds each
+call's sum; the same fp32 additions in another order, within a rounding.
 On CUDA the copy runs on its own stream into a pinned staging buffer, and a worker thread adds
 it into the accumulation buffer once the copy's event has completed. At most ``max_in_flight``
 offloads are between their copy and the end of their host add, each in its own staging buffer:

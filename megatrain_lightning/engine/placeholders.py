@@ -45,7 +45,7 @@ class WeightSource(Protocol):
     def assign_grad(self, block: int, index: int, value: Tensor | None) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _ViewStep:
     """One view op applied to a placeholder (``p[0]``, ``p.view(-1)``, ``p.split(n)[1]``)."""
 
@@ -194,6 +194,7 @@ class ParamPlaceholder(Tensor):
         shapes = {key: w.shape for key, w in weights.items()}
         result = func(*args, **kwargs)
         written = [w for w in _written_arguments(func, args, kwargs) if id(w) in seen]
+        # Any placeholder of a parameter writes the parameter's whole copy back, views' changes included.
         for key, placeholder in {seen[id(w)]._key: seen[id(w)] for w in written}.items():
             if weights[key].shape != shapes[key]:
                 raise RuntimeError(
@@ -229,11 +230,18 @@ class ParamPlaceholder(Tensor):
     @data.setter
     def data(self, value: Tensor) -> None:
         """``p.data = v`` (``vector_to_parameters`` does it) sets the weights in the store: a placeholder
-        has no data of its own to replace. The strategy's conversions (a placeholder for another dtype) and
-        a view's ``.data`` replace what the placeholder reports, as torch does."""
-        if isinstance(value, ParamPlaceholder) or self._views:
+        has no data of its own to replace. A placeholder of the same parameter (the strategy converting
+        the module for bf16-true, ``Module._apply``) replaces what this one reports, as torch does."""
+        if isinstance(value, ParamPlaceholder) and not self._views and value._key[:2] == self._key[:2]:
             torch._C.TensorBase.data.__set__(self, value)
             return
+        if isinstance(value, ParamPlaceholder) or self._views:
+            raise RuntimeError(
+                f"megatrain: `.data` of `{self._name}`{' (a view of it)' if self._views else ''} cannot be "
+                "replaced by another tensor's storage (tying weights after megatrain paged the model): "
+                "its weights live in megatrain's store. Tie weights before `fit` (one `nn.Parameter` in "
+                "both modules), or set values with `p.data = tensor` / `p.copy_(...)`."
+            )
         if (value.shape, value.dtype, value.device) != (self.shape, self.dtype, self.device):
             raise RuntimeError(
                 f"megatrain: `{self._name}.data` assigned a tensor of shape {tuple(value.shape)}, "

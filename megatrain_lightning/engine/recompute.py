@@ -86,7 +86,7 @@ BufferKey = tuple[torch.nn.Module, str]
 class ForwardState:
     """What a block's first run saw and its recompute must see again: the CPU and device RNG states and
     the CPU and device autocast settings (``torch.utils.checkpoint`` keeps the same), and the buffers
-    the first run changed, as they were before it (filled by :func:`noting_changed_buffers`)."""
+    the first run may have changed, as they were before it (filled by :func:`noting_changed_buffers`)."""
 
     device: torch.device
     cpu_rng: Tensor
@@ -106,7 +106,7 @@ class ForwardState:
         """Run with the captured RNG, autocast state and buffers; afterwards the RNG continues and the
         buffers are the objects they were before."""
         devices = [self.device] if self.device_rng is not None else []
-        now = {(module, name): module._buffers[name] for module, name in self.buffers}
+        now = {(module, name): module._buffers.get(name, _ABSENT) for module, name in self.buffers}
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=devices, device_type=self.device.type))
             torch.set_rng_state(self.cpu_rng)
@@ -114,13 +114,21 @@ class ForwardState:
                 torch.cuda.set_rng_state(self.device_rng, self.device)
             for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            copies: dict[int, Tensor] = {}  # one copy of a tensor that several modules hold
             for (module, name), before in self.buffers.items():
-                module._buffers[name] = before.clone()  # a copy: a second backward starts from it again
+                # A copy: a second backward starts from the same buffers again.
+                module._buffers[name] = copies.setdefault(id(before), before.clone())
             try:
                 yield
             finally:
                 for (module, name), buffer in now.items():
-                    module._buffers[name] = buffer
+                    if buffer is _ABSENT:  # the forward deletes it
+                        module._buffers.pop(name, None)
+                    else:
+                        module._buffers[name] = buffer
+
+
+_ABSENT = object()
 
 
 @contextlib.contextmanager
@@ -129,16 +137,20 @@ def noting_changed_buffers(module: torch.nn.Module, state: ForwardState) -> Iter
     buffer, copied (the state a module keeps, which some kernels update without moving the tensor's
     version: BatchNorm's), and any buffer the run replaced by another tensor (the one it replaced).
     A non-persistent buffer (a causal mask, rotary frequencies) changed in place is not noted."""
+    copies: dict[int, Tensor] = {}  # one copy of a tensor that several modules hold
+    before = []
     with torch.no_grad():
-        before = [
-            (m, name, b, None if name in m._non_persistent_buffers_set else b.clone())
-            for m in module.modules()
-            for name, b in m._buffers.items()
-            if b is not None
-        ]
+        for m in module.modules():
+            for name, b in m._buffers.items():
+                if b is None:
+                    continue
+                persistent = name not in m._non_persistent_buffers_set
+                if persistent and id(b) not in copies:
+                    copies[id(b)] = b.clone()
+                before.append((m, name, b, copies[id(b)] if persistent else None))
     yield
     for m, name, buffer, copy in before:
-        if copy is not None or m._buffers.get(name) is not buffer:
+        if copy is not None or m._buffers.get(name, _ABSENT) is not buffer:
             state.buffers[(m, name)] = buffer if copy is None else copy
 
 

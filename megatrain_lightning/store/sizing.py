@@ -97,13 +97,11 @@ def cache_bytes_for(
     if max_cpu_gb is None:
         return max(working_set, default_bytes)
     if max_cpu_gb * _GB < working_set:
-        largest = max(b.numel for b in blocks)
         count = pinned_chunks(optimizer_threads, cuda) + 1
-        lower = "`optimizer_threads`" + (" or `io_chunk_mb`" if chunk_numel < largest else "")
         raise MisconfigurationException(
             f"`max_cpu_gb={max_cpu_gb}` cannot hold the store chunks in use at once: the disk tier needs at "
             f"least {working_set / _GB:.3g} GB ({count} chunks of {working_set / count / 2**20:.3g} MB: "
             f"`io_chunk_mb`, or the largest block where it is smaller; more with more `optimizer_threads`). "
-            f"Raise `max_cpu_gb` to that, or lower {lower}."
+            "Raise `max_cpu_gb` to that, or lower `optimizer_threads` or `io_chunk_mb`."
         )
     return int(max_cpu_gb * _GB)
