@@ -180,11 +180,15 @@ def _train(
 
 
 def parity(accelerator: str) -> list[Check]:
-    """Plain vs megatrain, fp32, for the tiny Llama and GPT-2; then megatrain in bf16-mixed."""
+    """Plain vs megatrain, fp32, for the tiny Llama and GPT-2, and a Llama whose embedding renormalizes the
+    rows it looks up in its forward (``max_norm``: the slot's change written back to the store); then
+    megatrain in bf16-mixed."""
     checks = []
-    for arch in ("llama", "gpt2"):
-        config = tiny_config(arch)
+    for arch in ("llama", "gpt2", "llama, max_norm embedding"):
+        config = tiny_config(arch.split(",")[0])
         model = build_model(config)
+        if "max_norm" in arch:
+            model.model.embed_tokens.max_norm = 0.1
         batches = make_batches(config.vocab_size, 10, batch=4, seq=64)
         ref_losses, ref_state, _ = _train(model, batches, "auto", accelerator, "32-true")
         variants = {

@@ -128,6 +128,40 @@ def test_state_a_forward_updates_is_updated_once_per_step_despite_the_recompute(
     assert_same_training(plain, paged)  # the buffers too: running statistics, power-iteration vectors
 
 
+class ClampingLayer(GradModeLayer):
+    """A layer that keeps its weight within bounds in its own forward, as a max-norm layer does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.linear.weight.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("tier", ["host", "slots", "disk"])
+def test_weights_a_forward_changes_in_place_are_kept_as_in_plain_pytorch(tier, tmp_path):
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up; a layer clamps its weight: where
+    the block computes on a copy (a slot, the disk tier), the store takes the change."""
+    model = tiny_model("llama")
+    model.model.embed_tokens.max_norm = 0.1
+    toy = _toy()
+    toy.layers = nn.ModuleList(ClampingLayer(32) for _ in range(2))
+    for name, built, block_classes in [("llama", model, None), ("toy", toy, [ClampingLayer])]:
+        options = {
+            "slots": {"zero_copy": False},
+            "disk": {"offload_dir": tmp_path / name, "max_cpu_gb": 0.01},
+        }
+        strategy = MegaTrainStrategy(block_classes=block_classes, **options.get(tier, {}))
+        assert_same_training(user_fit(built, "auto"), user_fit(built, strategy))
+
+
+def test_weights_a_forward_changes_in_a_bf16_copy_are_refused():
+    toy = _toy()
+    toy.layers = nn.ModuleList(ClampingLayer(32) for _ in range(2))
+    strategy = MegaTrainStrategy(block_classes=[ClampingLayer], zero_copy=False)
+    with pytest.raises(RuntimeError, match="changes its weights in its forward .* bf16 copy"):
+        user_fit(toy, strategy, precision="bf16-mixed")
+
+
 class BuildsInConfigureModel(UserLM):
     """A user's module that builds a plain-PyTorch model in ``configure_model``."""
 

@@ -328,7 +328,9 @@ class Engine:
         """Bind ``site``'s parameters to slot views for the duration of the context."""
         block = site.block
         slot = self.pager.acquire(block.index, backward)
+        version = _version(slot)  # moves on where the block's forward changes its own weights
         placeholders = self.weights.placeholders[block.index]
+        changed: dict[int, Tensor] = {}
         try:
             self._hint_store()
             tensors = {}
@@ -340,10 +342,33 @@ class Engine:
             for binding in site.bindings:
                 binding.owner._parameters[binding.attr] = tensors[binding.index]
             yield slot, tensors
+            if not backward and _version(slot) != version:  # a recompute's changes repeat the first run's
+                changed = {i: t.detach().to("cpu", copy=True) for i, t in tensors.items()}
         finally:
             for binding in site.bindings:
                 binding.owner._parameters[binding.attr] = placeholders[binding.index]
             self.pager.release(block.index)
+        if changed:
+            self._keep_changes_of_the_forward(site, changed)
+
+    def _keep_changes_of_the_forward(self, site: CallSite, values: dict[int, Tensor]) -> None:
+        """A block's forward changed its own weights in place (``nn.Embedding(max_norm=...)`` renormalizes
+        the rows it looks up): the store takes them, as a plain model keeps them. A slot of bf16 copies
+        cannot give the fp32 weights such a change makes: refused."""
+        block = site.block
+        for index, value in values.items():
+            spec = block.params[index]
+            span = (spec.offset, spec.offset + spec.numel)
+            weights = self.store.read_span(block.index, "param", span).view(spec.shape)
+            if value.dtype == torch.float32 and not torch.equal(value, weights):
+                self.store.write_span(block.index, "param", span, value)
+            elif value.dtype != torch.float32 and not torch.equal(value, weights.to(value.dtype)):
+                raise RuntimeError(
+                    f"megatrain: `{site.name}` changes its weights in its forward (e.g. "
+                    "`nn.Embedding(max_norm=...)`), and computes on a bf16 copy of them: the change of its "
+                    "fp32 weights cannot be known. Train it with `precision='32-true'`, or without the "
+                    "change."
+                )
 
     def offload(
         self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool
@@ -370,6 +395,12 @@ class Engine:
 
 def _nothing() -> None:
     return None
+
+
+def _version(tensor: Tensor) -> int | None:
+    """``tensor``'s version counter; ``None`` for a tensor made under ``torch.inference_mode`` (Lightning's
+    evaluation), which has none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _check_same_tier(built_for: EngineConfig, config: EngineConfig) -> None:
