@@ -130,6 +130,7 @@ def _configured_strategy(path: str, before: str | None) -> str | None:
 
 
 def _names_megatrain(strategy: str | None) -> bool:
+    """Whether ``strategy`` (a registered name, a class name or path) is megatrain's."""
     if strategy in ("megatrain", "MegaTrainStrategy"):
         return True
     try:

@@ -578,6 +578,17 @@ def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_
     assert time.monotonic() - start < 60
 
 
+def test_a_layer_changing_its_weights_in_its_forward_is_refused_under_data_parallel(tmp_path: Path) -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows its own rank's batch looks up: under DDP the
+    replicas would drift apart; megatrain stops with an error that says so, quickly (no rank left waiting)."""
+    model = tiny_model("llama")
+    model.model.embed_tokens.max_norm = 0.1
+    start = time.monotonic()
+    with pytest.raises(Exception, match="changes its weights in its forward .* under data parallel"):
+        _dp_fit(model, tmp_path, 2)
+    assert time.monotonic() - start < 60
+
+
 def test_a_gradient_read_after_updates_that_end_at_different_times_is_collective_alike(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -154,6 +154,28 @@ def test_weights_a_forward_changes_in_place_are_kept_as_in_plain_pytorch(tier, t
         assert_same_training(user_fit(built, "auto"), user_fit(built, strategy))
 
 
+class DecayingLayer(GradModeLayer):
+    """A layer that shrinks its weight in each forward: a change a recompute would make twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.linear.weight.mul_(0.9)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_forward_change_the_recompute_repeats_differently_is_refused(zero_copy):
+    toy = _toy()
+    toy.layers = nn.ModuleList(DecayingLayer(32) for _ in range(2))
+    strategy = MegaTrainStrategy(block_classes=[DecayingLayer], zero_copy=zero_copy)
+    with pytest.raises(RuntimeError, match="its recompute in backward changed them again"):
+        user_fit(toy, strategy)
+    exact = MegaTrainStrategy(
+        block_classes=[DecayingLayer], zero_copy=zero_copy, activation_checkpointing=False
+    )
+    assert_same_training(user_fit(toy, "auto"), user_fit(toy, exact))
+
+
 def test_weights_a_forward_changes_in_a_bf16_copy_are_refused():
     toy = _toy()
     toy.layers = nn.ModuleList(ClampingLayer(32) for _ in range(2))

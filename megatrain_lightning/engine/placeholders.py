@@ -217,8 +217,8 @@ class ParamPlaceholder(Tensor):
         return self._block, self._index, parameter.dtype, parameter.device
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        """``p[i] = v`` into the store (torch would write into a view of a copy). A parameter that
-        requires grad is refused with autograd on, by torch itself, as a plain one is."""
+        """``p[i] = v`` into the store: one read and one write of the parameter, whatever the index. A
+        parameter that requires grad is refused with autograd on, by torch itself, as a plain one is."""
         weights = self._read_parameter()
         self._seen_in(weights).requires_grad_(self.requires_grad)[key] = value
         self._write(weights)

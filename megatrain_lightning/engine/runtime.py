@@ -55,6 +55,7 @@ from megatrain_lightning.engine.distributed import (
     ShardedGrads,
     ShardedHostStore,
 )
+from megatrain_lightning.engine.forward_changes import ForwardChanges, version_of
 from megatrain_lightning.engine.gathers import GatheredBlocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews, ShadowViews
@@ -152,6 +153,7 @@ class Engine:
         self.optimizer: Any = None  # CPUAdamW once fitting
         self._cadence = UpdateCadence()
         self.backwards = PendingBackwards()  # this pass's training calls awaiting their backward
+        self.forward_changes = ForwardChanges(self.store, data_parallel=config.shard is not None)
         self._anchor = torch.zeros((), requires_grad=True)
         # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
         self.guard_training_reads = False
@@ -325,12 +327,12 @@ class Engine:
     def resident(
         self, site: CallSite, backward: bool, grad: bool
     ) -> Iterator[tuple[Tensor, dict[int, Tensor]]]:
-        """Bind ``site``'s parameters to slot views for the duration of the context."""
+        """Bind ``site``'s parameters to slot views for the duration of the context; what a forward changed
+        in them is kept (:mod:`.forward_changes`)."""
         block = site.block
         slot = self.pager.acquire(block.index, backward)
-        version = _version(slot)  # moves on where the block's forward changes its own weights
+        version = version_of(slot)
         placeholders = self.weights.placeholders[block.index]
-        changed: dict[int, Tensor] = {}
         try:
             self._hint_store()
             tensors = {}
@@ -341,34 +343,16 @@ class Engine:
                 )
             for binding in site.bindings:
                 binding.owner._parameters[binding.attr] = tensors[binding.index]
+            before = self.forward_changes.before(site, tensors, backward)
             yield slot, tensors
-            if not backward and _version(slot) != version:  # a recompute's changes repeat the first run's
-                changed = {i: t.detach().to("cpu", copy=True) for i, t in tensors.items()}
+            moved = version_of(slot) != version
+            changed = self.forward_changes.after(site, tensors, backward, moved, before)
         finally:
             for binding in site.bindings:
                 binding.owner._parameters[binding.attr] = placeholders[binding.index]
             self.pager.release(block.index)
         if changed:
-            self._keep_changes_of_the_forward(site, changed)
-
-    def _keep_changes_of_the_forward(self, site: CallSite, values: dict[int, Tensor]) -> None:
-        """A block's forward changed its own weights in place (``nn.Embedding(max_norm=...)`` renormalizes
-        the rows it looks up): the store takes them, as a plain model keeps them. A slot of bf16 copies
-        cannot give the fp32 weights such a change makes: refused."""
-        block = site.block
-        for index, value in values.items():
-            spec = block.params[index]
-            span = (spec.offset, spec.offset + spec.numel)
-            weights = self.store.read_span(block.index, "param", span).view(spec.shape)
-            if value.dtype == torch.float32 and not torch.equal(value, weights):
-                self.store.write_span(block.index, "param", span, value)
-            elif value.dtype != torch.float32 and not torch.equal(value, weights.to(value.dtype)):
-                raise RuntimeError(
-                    f"megatrain: `{site.name}` changes its weights in its forward (e.g. "
-                    "`nn.Embedding(max_norm=...)`), and computes on a bf16 copy of them: the change of its "
-                    "fp32 weights cannot be known. Train it with `precision='32-true'`, or without the "
-                    "change."
-                )
+            self.forward_changes.keep(site, changed)
 
     def offload(
         self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool
@@ -395,12 +379,6 @@ class Engine:
 
 def _nothing() -> None:
     return None
-
-
-def _version(tensor: Tensor) -> int | None:
-    """``tensor``'s version counter; ``None`` for a tensor made under ``torch.inference_mode`` (Lightning's
-    evaluation), which has none."""
-    return None if tensor.is_inference() else tensor._version
 
 
 def _check_same_tier(built_for: EngineConfig, config: EngineConfig) -> None:

@@ -280,7 +280,8 @@ class HostStore:
 
     def write_span(self, block: int, kind: str, span: tuple[int, int], values: Tensor) -> None:
         """Set block elements ``span`` of ``kind`` to ``values`` (one parameter's weights changed in place
-        by user code), ordered after the block's pending change; copies taken before go stale."""
+        by user code or by its block's forward), ordered after the block's pending change; copies taken
+        before go stale."""
         with self.rewriting(block, kind, span) as flat:
             flat.copy_(values.reshape(-1))
 
