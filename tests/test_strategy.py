@@ -291,6 +291,15 @@ def test_the_engine_is_freed_with_its_trainer_while_the_model_keeps_its_weights(
     ids = torch.randint(0, reference.config.vocab_size, (2, 8))
     with torch.no_grad():
         assert torch.equal(hf(input_ids=ids).logits, reference(input_ids=ids).logits)
+    for model in (reference, hf):  # a training loop of the user's own, as in plain PyTorch
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+        optimizer.step()
+        optimizer.zero_grad()
+    stepped, reference_stepped = hf.state_dict(), reference.state_dict()
+    assert all(torch.equal(stepped[k], reference_stepped[k]) for k in stepped)
+    assert not torch.equal(stepped["lm_head.weight"], trained["lm_head.weight"])
     assert_same_training(
         fit_module(UserLM(reference), "auto", steps=2), fit_module(UserLM(hf), MegaTrainStrategy(), steps=2)
     )

@@ -33,6 +33,7 @@ class WeightSource(Protocol):
     """What a placeholder asks about its weights (:class:`~.weights.StoredWeights` answers)."""
 
     guard_training_reads: bool
+    engine: Any  # the engine training the module now, or None
 
     def read_param(self, block: int, index: int) -> Tensor: ...
 
@@ -268,8 +269,10 @@ class ParamPlaceholder(Tensor):
         """A copy of the gradient summed in the store (warned once), the same tensor while user code holds
         it; what user code changes in it is written back (:mod:`.user_grads`). ``None`` when there is none.
         ``zero_grad`` (of a module, which Lightning calls before each validation, or of an optimizer) reads it
-        without a warning: it only looks whether there is one to clear. A view has none, as a plain view."""
-        if self._views:
+        without a warning: it only looks whether there is one to clear. Without an engine (the trainer
+        gone, a training loop of the user's) autograd keeps it in the placeholder, as in a plain parameter;
+        a view has none, as a plain view."""
+        if self._views or self._source.engine is None:
             return torch._C.TensorBase.grad.__get__(self)
         quiet = sys._getframe(1).f_code in _ZERO_GRADS
         with warnings.catch_warnings() if quiet else contextlib.nullcontext():
@@ -284,7 +287,7 @@ class ParamPlaceholder(Tensor):
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
-        if self._views:
+        if self._views or self._source.engine is None:
             torch._C.TensorBase.grad.__set__(self, value)
             return
         if value is not None and value.shape != self.shape:

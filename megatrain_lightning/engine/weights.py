@@ -48,7 +48,12 @@ class StoredWeights:
         return self._engine()
 
     def attach(self, engine: Engine) -> None:
+        """From now on ``engine`` trains the module: the gradients are its (what a training loop of the
+        user's left in the placeholders, without an engine, is cleared, as a fresh optimizer's would be)."""
         self._engine = weakref.ref(engine)
+        for placeholders in self.placeholders:
+            for placeholder in placeholders:
+                torch._C.TensorBase.grad.__set__(placeholder, None)
 
     def install_hooks(self) -> None:
         self._undo = hooks.install(self)
@@ -123,18 +128,19 @@ class StoredWeights:
         self.user_writes[block] += 1
 
     def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
-        """``p.grad``: the gradient summed by the engine training the module (none without one)."""
-        engine = self.engine
-        return engine.grads.user_grad(block, index, device, dtype) if engine is not None else None
+        """``p.grad`` while an engine trains the module: the gradient it summed (placeholders hold their
+        own without one)."""
+        return self._training_engine().grads.user_grad(block, index, device, dtype)
 
     def assign_grad(self, block: int, index: int, value: Tensor | None) -> None:
-        """``p.grad = value``: into the sums of the engine training the module; without one there are none
-        (``None`` leaves it so)."""
+        """``p.grad = value`` while an engine trains the module: into its sums."""
+        self._training_engine().grads.assign(block, index, value)
+
+    def _training_engine(self) -> Engine:
         engine = self.engine
-        if engine is not None:
-            engine.grads.assign(block, index, value)
-        elif value is not None:
-            raise RuntimeError("megatrain: a gradient can be assigned only while the module trains.")
+        if engine is None:
+            raise RuntimeError("megatrain: no engine trains this module now; its placeholders hold `p.grad`.")
+        return engine
 
     # -- the module's forward and state-dict hooks (see megatrain_lightning.engine.hooks) --
 
