@@ -121,10 +121,10 @@ class StoredWeights:
         return self.store.read_span(block, "param", (spec.offset, spec.offset + spec.numel)).view(spec.shape)
 
     def write_param(self, block: int, index: int, value: Tensor) -> None:
-        """One parameter's master weights set to ``value`` (an in-place change by user code, in fp32)."""
+        """One parameter's master weights set to ``value`` (an in-place change by user code; the store's
+        copy converts it to fp32 on the host)."""
         spec = self.blocks[block].params[index]
-        value = value.detach().to("cpu", torch.float32)
-        self.store.write_span(block, "param", (spec.offset, spec.offset + spec.numel), value)
+        self.store.write_span(block, "param", (spec.offset, spec.offset + spec.numel), value.detach())
         self.user_writes[block] += 1
 
     def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
