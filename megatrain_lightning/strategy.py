@@ -295,11 +295,7 @@ class MegaTrainStrategy(RankedStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.begin_pass("train")
-        self.engine.guard_training_reads = True
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self.engine.guard_training_reads = False
+        return super().training_step(*args, **kwargs)
 
     @override
     def post_training_step(self) -> None:

@@ -5,9 +5,9 @@ runs. Outside its block the module holds a :class:`ParamPlaceholder` in its plac
 storage that reports the shape, the compute device and the dtype the default strategy would show
 (Llama-4 moves its inputs to ``embed_tokens.weight.device``; ``model.dtype`` picks mask values), and
 keeps the user's ``requires_grad`` flag (unfreezing callbacks set it). Reading its *values* (a
-weight-norm callback, ``copy.deepcopy`` for an EMA copy) gives a copy read from the store; where that
-would silently lose a gradient (inside ``training_step`` with autograd on), it raises an error that
-names megatrain and the parameter. Changing it in place (``p.mul_``, ``p.data = v``, ``p[i] = v``, an
+weight-norm callback, ``copy.deepcopy`` for an EMA copy, an L2 penalty in ``training_step``) gives a copy
+read from the store; with autograd on, the gradient autograd sums in the placeholder joins the block's
+(:mod:`.outside_uses`). Changing it in place (``p.mul_``, ``p.data = v``, ``p[i] = v``, an
 optimizer of the user's after ``fit``) changes the copy and writes it into the store, as the weights of a
 plain parameter change. Its views (``p[0]``, ``p.view(-1)``) are placeholders too, that read and write
 the parameter (``nn.init.orthogonal_`` writes through one).
@@ -32,10 +32,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 class WeightSource(Protocol):
     """What a placeholder asks about its weights (:class:`~.weights.StoredWeights` answers)."""
 
-    guard_training_reads: bool
     engine: Any  # the engine training the module now, or None
 
     def read_param(self, block: int, index: int) -> Tensor: ...
+
+    def note_outside_use(self, placeholder: ParamPlaceholder, func: Any) -> None: ...
 
     def write_param(self, block: int, index: int, value: Tensor) -> None: ...
 
@@ -183,7 +184,7 @@ class ParamPlaceholder(Tensor):
         def materialized(value: Any) -> Any:
             if not isinstance(value, ParamPlaceholder):
                 return value
-            value._check_read(func)
+            value._note_use(func)
             key = value._key
             if key not in weights:
                 weights[key] = value._read_parameter()
@@ -255,14 +256,10 @@ class ParamPlaceholder(Tensor):
     def _write(self, weights: Tensor) -> None:
         self._source.write_param(self._block, self._index, weights)
 
-    def _check_read(self, func: Any) -> None:
-        """Refuse a read that would lose a gradient."""
-        if self._source.guard_training_reads and torch.is_grad_enabled() and self.requires_grad:
-            raise RuntimeError(
-                f"megatrain: `{self._name}` was read outside the block that owns it during `training_step` "
-                f"({func}); its gradient would be lost. Read parameters only inside their own module's "
-                "forward, or name the module that reads it in `MegaTrainStrategy(block_classes=...)`."
-            )
+    def _note_use(self, func: Any) -> None:
+        """A read with autograd on uses the weights outside their block: the engine takes the gradient."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            self._source.note_outside_use(self._root, func)
 
     @property
     def grad(self) -> Tensor | None:  # type: ignore[override]

@@ -59,6 +59,7 @@ from megatrain_lightning.engine.forward_changes import ForwardChanges, version_o
 from megatrain_lightning.engine.gathers import GatheredBlocks
 from megatrain_lightning.engine.grads import HostGrads
 from megatrain_lightning.engine.host_views import HostViews, ShadowViews
+from megatrain_lightning.engine.outside_uses import OutsideUses
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import weight_source_of
@@ -155,8 +156,8 @@ class Engine:
         self.backwards = PendingBackwards()  # this pass's training calls awaiting their backward
         self.forward_changes = ForwardChanges(self.store, data_parallel=config.shard is not None)
         self._anchor = torch.zeros((), requires_grad=True)
-        # Set during `training_step`: a parameter's values read outside its block would lose its gradient.
-        self.guard_training_reads = False
+        self.outside_uses = OutsideUses(self.grads, data_parallel=config.shard is not None)
+        self._block_calls = 0  # block calls running (nested: a block inside another's call)
         # A trainer runs with the engine (from `attach` to `settle`): the module's weights are the store's,
         # so a cast or move of the module now is refused instead of taking them out (`StoredWeights.release`).
         self.in_use = True
@@ -246,6 +247,7 @@ class Engine:
 
     def begin_pass(self, kind: str) -> None:
         self.grads.flush()
+        self.outside_uses.begin_pass()
         if kind == "train":
             self._cadence.record(self.optimizer is not None and self.optimizer.stepping)
         self.pager.begin_pass(kind)
@@ -333,6 +335,7 @@ class Engine:
         slot = self.pager.acquire(block.index, backward)
         version = version_of(slot)
         placeholders = self.weights.placeholders[block.index]
+        self._block_calls += 1
         try:
             self._hint_store()
             tensors = {}
@@ -348,17 +351,32 @@ class Engine:
             moved = version_of(slot) != version
             changed = self.forward_changes.after(site, tensors, backward, moved, before)
         finally:
+            self._block_calls -= 1
             for binding in site.bindings:
                 binding.owner._parameters[binding.attr] = placeholders[binding.index]
             self.pager.release(block.index)
         if changed:
             self.forward_changes.keep(site, changed)
 
+    def note_outside_use(self, name: str, block: int, func: Any) -> None:
+        """Parameter ``name`` of ``block`` used outside its block's calls with autograd on (see
+        :mod:`.outside_uses`); refused inside another block's call, whose gradients are its own weights'."""
+        if self._block_calls:
+            raise RuntimeError(
+                f"megatrain: `{name}` was read inside the call of a layer that does not own it ({func}), "
+                "with autograd on; megatrain takes a layer's gradients for its own weights only, so this "
+                "one's would be lost. Name the module that reads it in "
+                "`MegaTrainStrategy(block_classes=...)`, so that both are one block."
+            )
+        self.outside_uses.note(name, block, func)
+
     def offload(
         self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool
     ) -> None:
-        """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer."""
+        """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer
+        (unless the block's weights were used outside it too: its gradient is final at the backward's end)."""
         block = site.block
+        last_use = last_use and block.index not in self.outside_uses.blocks
         if self.optimizer is not None and self.optimizer.updates.submitted(block.index):
             raise RuntimeError(
                 f"megatrain: block {block.index} got gradients after its update began: a second backward "

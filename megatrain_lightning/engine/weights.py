@@ -41,6 +41,7 @@ class StoredWeights:
         self._engine: Callable[[], Engine | None] = lambda: None
         self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see load_hook)
         self.user_writes = [0] * len(blocks)  # in-place changes by user code, by block (see PagedCall)
+        self._outside_hooks: set[tuple[int, int]] = set()  # placeholders whose gradients the engine takes
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -103,11 +104,6 @@ class StoredWeights:
         if self.engine is None:
             self.store.release_all_but("param")
 
-    @property
-    def guard_training_reads(self) -> bool:
-        engine = self.engine
-        return engine is not None and engine.guard_training_reads
-
     def wait_all(self) -> None:
         engine = self.engine
         if engine is not None:
@@ -126,6 +122,24 @@ class StoredWeights:
         spec = self.blocks[block].params[index]
         self.store.write_span(block, "param", (spec.offset, spec.offset + spec.numel), value.detach())
         self.user_writes[block] += 1
+
+    def note_outside_use(self, placeholder: nn.Parameter, func: Any) -> None:
+        """``placeholder`` used outside its block with autograd on: an engine takes the gradient autograd
+        sums in it (:mod:`.outside_uses`); without one it stays there, as in a plain parameter."""
+        block, index = placeholder._block, placeholder._index
+        engine = self.engine
+        # A detached copy made a leaf by user code (`p.detach().requires_grad_()`) keeps its gradient itself.
+        if engine is None or placeholder is not self.placeholders[block][index]:
+            return
+        engine.note_outside_use(placeholder._name, block, func)
+        if (block, index) not in self._outside_hooks:
+            self._outside_hooks.add((block, index))
+            placeholder.register_post_accumulate_grad_hook(self._outside_grad_arrived)
+
+    def _outside_grad_arrived(self, placeholder: nn.Parameter) -> None:
+        engine = self.engine
+        if engine is not None:
+            engine.outside_uses.arrived(placeholder)
 
     def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
         """``p.grad`` while an engine trains the module: the gradient it summed (placeholders hold their
