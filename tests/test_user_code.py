@@ -444,8 +444,14 @@ def test_casting_the_model_after_fit_casts_it_for_real(tier, tmp_path, monkeypat
     plain = user_fit(model, "auto")
     kwargs = {"offload_dir": tmp_path / "store"} if tier == "disk" else {}
     paged = user_fit(model, MegaTrainStrategy(**kwargs))
-    paged.module.model.to("cpu")
+    for run in (plain, paged):  # gradients of a backward of the user's, which a move or cast keeps
+        run.module.zero_grad()
+        run.module(token_batches(1, seed=3)[0]).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "p.grad is a copy" warning: torch's `_apply` is not user code
+        paged.module.model.to("cpu").float()
     assert isinstance(paged.module.model.lm_head.weight, ParamPlaceholder)
+    assert torch.equal(paged.module.model.lm_head.weight.grad, plain.module.model.lm_head.weight.grad)
     monkeypatch.setattr("megatrain_lightning.telemetry.progress.SHOWN_FROM_BYTES", 1)
     capsys.readouterr()
     ids = token_batches(1)[0]

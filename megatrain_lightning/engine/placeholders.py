@@ -266,17 +266,19 @@ class ParamPlaceholder(Tensor):
         """A copy of the gradient summed in the store (warned once), the same tensor while user code holds
         it; what user code changes in it is written back (:mod:`.user_grads`). ``None`` when there is none.
         ``zero_grad`` (of a module, which Lightning calls before each validation, or of an optimizer) reads it
-        without a warning: it only looks whether there is one to clear. Without an engine (the trainer
+        without a warning: it only looks whether there is one to clear; so does ``Module._apply`` (a cast or
+        move that leaves the module paged, as ``.float()`` of an fp32 model). Without an engine (the trainer
         gone, a training loop of the user's) autograd keeps it in the placeholder, as in a plain parameter;
         a view has none, as a plain view."""
         if self._views or self._source.engine is None:
             return torch._C.TensorBase.grad.__get__(self)
-        quiet = sys._getframe(1).f_code in _ZERO_GRADS
+        reader = sys._getframe(1).f_code
+        quiet = reader in _ZERO_GRADS or reader is _MODULE_APPLY
         with warnings.catch_warnings() if quiet else contextlib.nullcontext():
             if quiet:
                 warnings.simplefilter("ignore")
             grad = self._source.user_grad(self._block, self._index, self.device, self.dtype)
-        if quiet and grad is None:  # `zero_grad` clears what is there: a sum its update used, too
+        if reader in _ZERO_GRADS and grad is None:  # it clears what is there: a sum its update used, too
             self._source.assign_grad(self._block, self._index, None)
         if grad is not None and not quiet:
             _warn_grad_copy()
@@ -304,6 +306,7 @@ class ParamPlaceholder(Tensor):
 
 _METADATA_ONLY = {"dtype", "device", "layout", "non_blocking", "memory_format"}
 _ZERO_GRADS = {nn.Module.zero_grad.__code__, inspect.unwrap(torch.optim.Optimizer.zero_grad).__code__}
+_MODULE_APPLY = nn.Module._apply.__code__
 
 
 class _Converting(threading.local):

@@ -25,14 +25,21 @@ Key = tuple[int, int]  # (block, parameter index)
 class GradCopy(Tensor):
     """A handed-out ``p.grad``. Its ``.data`` is itself: a plain tensor's ``.data`` has a version counter
     of its own and outlives the tensor in ``p.grad.data.clamp_(...)``, so that change would go unseen (a
-    gradient has no history for ``.data`` to detach from). Otherwise a plain tensor (no torch-function
-    dispatch, results are plain tensors)."""
+    gradient has no history for ``.data`` to detach from); setting it sets its values. Otherwise a plain
+    tensor (no torch-function dispatch, results are plain tensors)."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @property
     def data(self) -> Tensor:  # type: ignore[override]
         return self
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        """``p.grad.data = v`` (``Module._apply`` sets it in a cast or move of the module that leaves it
+        paged: ``.float()``, ``.cpu()``): ``v``'s values become this gradient's, written back as a change."""
+        if value is not self:
+            self.copy_(value)
 
 
 @dataclass(eq=False)
