@@ -248,8 +248,9 @@ class ParamPlaceholder(Tensor):
             raise RuntimeError(
                 f"megatrain: `{self._name}.data` assigned a tensor of shape {tuple(value.shape)}, "
                 f"{value.dtype}, on {value.device}; megatrain keeps the parameter's shape, dtype and device "
-                f"({tuple(self.shape)}, {self.dtype}, on {self.device}). Set its values instead, or cast the "
-                "model after `fit` (it leaves megatrain as a plain model), or rebuild it."
+                f"({tuple(self.shape)}, {self.dtype}, on {self.device}). Set its values instead; to change "
+                "shapes (`resize_token_embeddings`) do it before `fit`, or on `copy.deepcopy(model)`, a "
+                "plain model with the trained weights."
             )
         self._write(value)
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from megatrain_lightning.serialization.meta import building_on_meta
 from megatrain_lightning.store.memory import host_empty
@@ -46,18 +48,59 @@ _active = threading.local()  # the recorder this thread's ops go to
 @dataclass(frozen=True)
 class _Op:
     func: Any  # an aten OpOverload
-    args: tuple[Any, ...]  # after the target tensor
+    args: tuple[Any, ...]  # after the target tensor; weights on meta among them as :class:`_Source`
     kwargs: dict[str, Any]
-    geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None  # view of the parameter, or None: all of it
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]  # the part of the weight's storage it writes
     rng_state: Tensor | None  # the generator state the op starts from (random ops only)
 
     def apply(self, target: Tensor) -> None:
-        if self.geometry is not None:
-            size, stride, offset = self.geometry
-            target = target.as_strided(size, stride, target.storage_offset() + offset)
+        size, stride, offset = self.geometry
+        target = target.as_strided(size, stride, target.storage_offset() + offset)
+        args, kwargs = _materialized((self.args, self.kwargs))
         if self.rng_state is not None:
             torch.set_rng_state(self.rng_state)
-        self.func(target, *self.args, **self.kwargs)
+        self.func(target, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A weight on meta that a recorded op reads (``resize_token_embeddings`` copies the old embedding's rows
+    into the new one): a part of it as its first ``count`` recorded ops leave it."""
+
+    ops: list[_Op]  # the weight's record (it may grow later; the source is its first ``count``)
+    count: int
+    numel: int  # of the weight's storage
+    dtype: torch.dtype
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+
+    def materialize(self) -> Tensor:
+        """Its values, the generator left as it was (replaying a random op sets its state)."""
+        state = torch.get_rng_state()
+        try:
+            storage = torch.empty(self.numel, dtype=self.dtype)
+            for op in self.ops[: self.count]:
+                op.apply(storage)
+        finally:
+            torch.set_rng_state(state)
+        return storage.as_strided(*self.geometry)
+
+
+def _materialized(value: Any) -> Any:
+    return tree_map(lambda v: v.materialize() if isinstance(v, _Source) else v, value)
+
+
+def _geometry(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _storage_key(t: Tensor) -> int:
+    """A meta tensor's storage: what its views and ``.data`` aliases share, and what ``p.data = q.data`` (as
+    ``resize_token_embeddings`` swaps the new embedding into the old parameter) hands over."""
+    return t.untyped_storage()._cdata
+
+
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_meta
 
 
 class InitRecorder(TorchDispatchMode):
@@ -70,12 +113,16 @@ class InitRecorder(TorchDispatchMode):
         recorder.install(model)
         ...
         initialize(module, model._init_weights)  # each module, once its parameters are real
+
+    Ops are recorded by the storage they write, so a view's or a ``.data`` alias's ops are the weight's,
+    and a weight handed to another parameter (``p.data = q.data``) keeps its record. An op that reads
+    another weight (a copy of some of its rows) reads it as its record so far leaves it.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._ops: dict[int, list[_Op]] = {}  # id(meta parameter or its base) -> ops, in order
-        self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their ids stay unique
+        self._ops: dict[int, list[_Op]] = {}  # a weight's meta storage (:func:`_storage_key`) -> its ops
+        self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their storages stay unique
         self._nested = False
 
     def __enter__(self) -> InitRecorder:
@@ -96,36 +143,42 @@ class InitRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         target = args[0] if args else None
+        if not building_on_meta():  # suspended (Hugging Face's from_pretrained builds its own way)
+            return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default and _is_meta(target):
+            raise MisconfigurationException(
+                "megatrain builds the model in `configure_model` with its weights on the meta device and "
+                "fills them in block by block later, so code there cannot read a weight's value "
+                "(`.item()`). Pass `mean_resizing=False` to `resize_token_embeddings`, or do this in the "
+                "LightningModule's `__init__`."
+            )
+        sources = [a for a in tree_flatten((args[1:], kwargs))[0] if _is_meta(a)]
         if not (
-            building_on_meta()  # not while suspended (Hugging Face's from_pretrained builds its own way)
-            and isinstance(target, Tensor)
-            and target.is_meta
+            _is_meta(target)
             and func._schema.is_mutable
-            and not any(isinstance(a, Tensor) and a.is_meta for a in (*args[1:], *kwargs.values()))
+            and all(_storage_key(a) in self._ops for a in sources)  # else: not replayable; left as before
         ):
             return func(*args, **kwargs)
-        base = target if target._base is None else target._base
-        geometry = None
-        if target is not base:
-            geometry = (
-                tuple(target.shape),
-                tuple(target.stride()),
-                target.storage_offset() - base.storage_offset(),
-            )
         rng_state = None
         if str(func.overloadpacket) in _RANDOM_OPS and kwargs.get("generator") is None:
             rng_state = torch.get_rng_state()
             # An anonymous map, returned to the system when freed: heap scratch of every size stays in RSS.
-            extent = 1 + sum(
-                (size - 1) * stride for size, stride in zip(base.shape, base.stride(), strict=True)
-            )
-            scratch = host_empty(extent, base.dtype).as_strided(base.shape, base.stride())
-            if geometry is not None:
-                scratch = scratch.as_strided(geometry[0], geometry[1], geometry[2])
+            extent = target.untyped_storage().nbytes() // target.element_size()
+            scratch = host_empty(extent, target.dtype).as_strided(*_geometry(target))
             func(scratch, *args[1:], **kwargs)  # advance the generator as a plain build does
-        self._ops.setdefault(id(base), []).append(_Op(func, args[1:], kwargs, geometry, rng_state))
-        self._keep.append(base)
+        recorded = tree_map(self._source, (args[1:], kwargs))
+        op = _Op(func, *recorded, _geometry(target), rng_state)
+        self._ops.setdefault(_storage_key(target), []).append(op)
+        self._keep.append(target)
         return func(*args, **kwargs)
+
+    def _source(self, value: Any) -> Any:
+        if not _is_meta(value):
+            return value
+        ops = self._ops[_storage_key(value)]
+        numel = value.untyped_storage().nbytes() // value.element_size()
+        self._keep.append(value)
+        return _Source(ops, len(ops), numel, value.dtype, _geometry(value))
 
     def install(self, root: nn.Module) -> None:
         """Let every module inside ``root`` (e.g. a LightningModule whose ``configure_model`` ran under the
@@ -142,7 +195,7 @@ class InitRecorder(TorchDispatchMode):
                 if param is None or id(param) in seen:
                     continue
                 seen.add(id(param))
-                own[name] = self._ops.get(id(param), [])
+                own[name] = self._ops.get(_storage_key(param), []) if param.is_meta else []
             module.__dict__[_RECORDED] = own
 
 
