@@ -82,17 +82,46 @@ class PretrainedInConfigureModel(UserLM):
         return out
 
 
-def test_hugging_faces_from_pretrained_in_configure_model_loads_as_under_the_default_strategy(tmp_path):
+class PretrainedResizedInConfigureModel(PretrainedInConfigureModel):
+    """Adds tokens after loading (a tokenizer's new special tokens), new rows drawn around the old mean."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            super().configure_model()
+            self.model.resize_token_embeddings(300)
+
+
+@pytest.mark.parametrize("module_cls", [PretrainedInConfigureModel, PretrainedResizedInConfigureModel])
+def test_hugging_faces_from_pretrained_in_configure_model_loads_as_under_the_default_strategy(
+    tmp_path, module_cls
+):
     tiny_model("llama", seed=5).save_pretrained(tmp_path)
-    plain = user_fit(str(tmp_path), "auto", dicts=True, module_cls=PretrainedInConfigureModel)
+    plain = user_fit(str(tmp_path), "auto", dicts=True, module_cls=module_cls)
     with pytest.warns(
         UserWarning, match="megatrain_lightning.from_pretrained.*streams|straight into the store"
     ):
-        paged = user_fit(
-            str(tmp_path), MegaTrainStrategy(), dicts=True, module_cls=PretrainedInConfigureModel
-        )
+        paged = user_fit(str(tmp_path), MegaTrainStrategy(), dicts=True, module_cls=module_cls)
     assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
     assert all(isinstance(p, ParamPlaceholder) for p in paged.module.parameters())
+
+
+class StreamedResizedInConfigureModel(UserLM):
+    def __init__(self, directory: str) -> None:
+        super().__init__(None)
+        self.directory = directory
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = from_pretrained(self.directory)
+            self.model.resize_token_embeddings(300)
+
+
+def test_a_resize_after_megatrains_streamed_load_is_a_clear_error(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(
+        Exception, match="is not the model's .* resize it in the LightningModule's `__init__`"
+    ):
+        user_fit(str(tmp_path), MegaTrainStrategy(), module_cls=StreamedResizedInConfigureModel)
 
 
 def test_a_model_built_on_meta_outside_lightning_reads_lazily(tmp_path):

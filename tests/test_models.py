@@ -6,13 +6,13 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from conftest import LossRecorder, LRRecorder, quiet_trainer
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from transformers import AutoModelForCausalLM
 from zoo import tiny_zoo_config
 
@@ -248,6 +248,15 @@ class _BuildsInConfigureModel(CausalLMModule):
             self.model = AutoModelForCausalLM.from_config(self.config)
 
 
+class _ResizesInConfigureModel(_BuildsInConfigureModel):
+    """Then adds tokens, as users do for a tokenizer's new special tokens (new rows drawn around the mean)."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            super().configure_model()
+            self.model.resize_token_embeddings(300)
+
+
 def _first_losses(make_module, strategy: str, steps: int = 2) -> list[float]:
     L.seed_everything(7)
     module = make_module()
@@ -266,6 +275,7 @@ def _first_losses(make_module, strategy: str, steps: int = 2) -> list[float]:
             lambda: CausalLMModule(AutoModelForCausalLM.from_config(tiny_config("llama"))), id="init"
         ),
         pytest.param(lambda: _BuildsInConfigureModel("llama"), id="user-configure_model"),
+        pytest.param(lambda: _ResizesInConfigureModel("llama"), id="user-configure_model-resized"),
     ],
 )
 def test_same_seed_same_start_under_plain_and_megatrain(make_module):
@@ -279,18 +289,37 @@ def _unrecorded(module: torch.nn.Module) -> None:
     raise AssertionError(f"{type(module).__name__} was not recorded")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2_moe", "qwen3_next"])
-def test_recorded_meta_build_replays_to_the_plain_build(arch):
+def _resized(tokens: int | None) -> Callable[[torch.nn.Module], None]:
+    """Hugging Face's resize to ``tokens`` (``None``: none), the new rows drawn around the old ones' mean
+    (its default) where it grows, from the initializer where it shrinks."""
+
+    def finish(model: torch.nn.Module) -> None:
+        if tokens is not None:
+            model.resize_token_embeddings(tokens, mean_resizing=tokens > 256)
+
+    return finish
+
+
+@pytest.mark.parametrize(
+    ("arch", "tokens"),
+    [("llama", None), ("gpt2", None), ("qwen2_moe", None), ("qwen3_next", None), ("mamba", None)]
+    + [("llama", 300), ("llama", 200), ("gpt2", 300)],
+)
+def test_recorded_meta_build_replays_to_the_plain_build(arch, tokens):
     """Replayed module by module in any order (as the store is filled), the recorded initialization gives
-    the plain build's weights, and the generator ends where the plain build leaves it; Qwen3-Next's `A_log`
-    is copied from a view of its own storage (recorded by storage, not by tensor)."""
-    config = tiny_zoo_config(arch)
+    the plain build's weights, and the generator ends where the plain build leaves it: Qwen3-Next's `A_log`
+    copied from a view of its own storage, Mamba's computed from `torch.arange` and `torch.rand` on meta,
+    the embeddings `resize_token_embeddings` grows or shrinks (the old rows copied into a new weight, whose
+    storage the old parameter then takes over; new rows drawn from the old ones' mean and covariance)."""
+    finish = _resized(tokens)
     torch.manual_seed(0)
-    plain = AutoModelForCausalLM.from_config(config)
+    plain = AutoModelForCausalLM.from_config(tiny_zoo_config(arch))
+    finish(plain)
     after_plain = torch.get_rng_state()
     torch.manual_seed(0)
     with init_on_meta(), InitRecorder() as recorder, InitRecorder() as nested:  # e.g. strategy and module
-        built = AutoModelForCausalLM.from_config(config)
+        built = AutoModelForCausalLM.from_config(tiny_zoo_config(arch))
+        finish(built)
     nested.install(built)
     recorder.install(built)
     assert torch.equal(torch.get_rng_state(), after_plain)
@@ -301,12 +330,3 @@ def test_recorded_meta_build_replays_to_the_plain_build(arch):
     assert torch.equal(torch.get_rng_state(), after_plain)  # replaying draws nothing new
     expected, actual = plain.state_dict(), built.state_dict()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
-
-
-def test_reading_a_weights_value_in_the_meta_build_is_a_clear_error():
-    with (
-        init_on_meta(),
-        InitRecorder(),
-        pytest.raises(MisconfigurationException, match="mean_resizing=False"),
-    ):
-        AutoModelForCausalLM.from_config(tiny_config("llama")).resize_token_embeddings(300)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -103,6 +102,22 @@ def _is_meta(value: Any) -> bool:
     return isinstance(value, Tensor) and value.is_meta
 
 
+def _on_cpu(value: Any) -> Any:
+    return torch.device("cpu") if isinstance(value, torch.device) and value.type == "meta" else value
+
+
+# Factories of uninitialized memory: nothing to compute (a weight made so gets its values from its record).
+_EMPTY = frozenset(
+    (
+        torch.ops.aten.empty,
+        torch.ops.aten.empty_strided,
+        torch.ops.aten.empty_like,
+        torch.ops.aten.new_empty,
+        torch.ops.aten.new_empty_strided,
+    )
+)
+
+
 class InitRecorder(TorchDispatchMode):
     """Record the initialization of parameters built on meta; :meth:`install` makes them replayable.
 
@@ -115,13 +130,18 @@ class InitRecorder(TorchDispatchMode):
         initialize(module, model._init_weights)  # each module, once its parameters are real
 
     Ops are recorded by the storage they write, so a view's or a ``.data`` alias's ops are the weight's,
-    and a weight handed to another parameter (``p.data = q.data``) keeps its record. An op that reads
-    another weight (a copy of some of its rows) reads it as its record so far leaves it.
+    and a weight handed to another parameter (``p.data = q.data``) keeps its record. Tensors the build
+    computes on meta that are not weights (Mamba's ``torch.arange(..., device=A_log.device)`` and
+    ``torch.rand`` of its ``dt``; the mean and covariance of the old embedding that
+    ``resize_token_embeddings`` draws the new rows from) are computed on the CPU too, as in a plain build:
+    random ones draw the same numbers, and ``.item()`` reads them. An op that reads a weight reads it as
+    its record so far leaves it.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._ops: dict[int, list[_Op]] = {}  # a weight's meta storage (:func:`_storage_key`) -> its ops
+        self._values: dict[int, Tensor] = {}  # a computed meta tensor's storage -> its values on the CPU
         self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their storages stay unique
         self._nested = False
 
@@ -129,7 +149,8 @@ class InitRecorder(TorchDispatchMode):
         """Inside another recorder this one shares its record: recording twice would draw twice."""
         outer = getattr(_active, "recorder", None)
         if outer is not None:
-            self._ops, self._keep, self._nested = outer._ops, outer._keep, True
+            self._ops, self._values, self._keep = outer._ops, outer._values, outer._keep
+            self._nested = True
             return self
         _active.recorder = self
         return super().__enter__()
@@ -146,36 +167,63 @@ class InitRecorder(TorchDispatchMode):
         if not building_on_meta():  # suspended (Hugging Face's from_pretrained builds its own way)
             return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and _is_meta(target):
-            raise MisconfigurationException(
-                "megatrain builds the model in `configure_model` with its weights on the meta device and "
-                "fills them in block by block later, so code there cannot read a weight's value "
-                "(`.item()`). Pass `mean_resizing=False` to `resize_token_embeddings`, or do this in the "
-                "LightningModule's `__init__`."
-            )
-        sources = [a for a in tree_flatten((args[1:], kwargs))[0] if _is_meta(a)]
-        if not (
-            _is_meta(target)
-            and func._schema.is_mutable
-            and all(_storage_key(a) in self._ops for a in sources)  # else: not replayable; left as before
-        ):
+            return self._value(target).item()
+        writes_meta = _is_meta(target) and func._schema.is_mutable
+        if writes_meta and _storage_key(target) not in self._values:
+            self._record(func, target, args[1:], kwargs)
             return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        made = [t for t in tree_flatten(out)[0] if _is_meta(t) and t is not target]
+        made = [t for t in made if all(_storage_key(t) != _storage_key(i) for i in inputs if i.is_meta)]
+        # Computed: what computes from tensors on meta, and factories with values (an `empty` one has none,
+        # and a real tensor moved to meta is a parameter being made).
+        computes = any(i.is_meta for i in inputs) or not (inputs or func.overloadpacket in _EMPTY)
+        if writes_meta or (made and computes):
+            self._compute(func, args, kwargs, out, made)
+        return out
+
+    def _record(self, func: Any, target: Tensor, args: tuple, kwargs: dict) -> None:
+        """An in-place op on a weight: recorded to replay, and the generator advanced as a plain build's."""
         rng_state = None
         if str(func.overloadpacket) in _RANDOM_OPS and kwargs.get("generator") is None:
             rng_state = torch.get_rng_state()
             # An anonymous map, returned to the system when freed: heap scratch of every size stays in RSS.
             extent = target.untyped_storage().nbytes() // target.element_size()
             scratch = host_empty(extent, target.dtype).as_strided(*_geometry(target))
-            func(scratch, *args[1:], **kwargs)  # advance the generator as a plain build does
-        recorded = tree_map(self._source, (args[1:], kwargs))
-        op = _Op(func, *recorded, _geometry(target), rng_state)
-        self._ops.setdefault(_storage_key(target), []).append(op)
+            func(scratch, *args, **kwargs)  # advance the generator as a plain build does
+        recorded = tree_map(self._source, (args, kwargs))
+        self._ops.setdefault(_storage_key(target), []).append(
+            _Op(func, *recorded, _geometry(target), rng_state)
+        )
         self._keep.append(target)
-        return func(*args, **kwargs)
+
+    def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any, made: list[Tensor]) -> None:
+        """``func`` on the CPU values of its meta arguments: the values of the tensors it ``made`` (or, in
+        place, of the computed tensor it changes)."""
+        values = tree_map(lambda v: self._value(v) if _is_meta(v) else _on_cpu(v), (args, kwargs))
+        real = func(*values[0], **values[1])
+        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=True):
+            if any(fake is t for t in made):
+                self._values[_storage_key(fake)] = value
+                self._keep.append(fake)
+
+    def _value(self, t: Tensor) -> Tensor:
+        """The values of meta tensor ``t``: computed, or its weight's as the record so far leaves them."""
+        computed = self._values.get(_storage_key(t))
+        if computed is not None:
+            return computed.as_strided(*_geometry(t))
+        return self._source(t).materialize()
 
     def _source(self, value: Any) -> Any:
+        """A recorded op's argument as replay needs it: a weight on meta as its record so far, a computed
+        tensor as a copy of its values now."""
         if not _is_meta(value):
             return value
-        ops = self._ops[_storage_key(value)]
+        computed = self._values.get(_storage_key(value))
+        if computed is not None:
+            return computed.as_strided(*_geometry(value)).clone()
+        ops = self._ops.setdefault(_storage_key(value), [])
         numel = value.untyped_storage().nbytes() // value.element_size()
         self._keep.append(value)
         return _Source(ops, len(ops), numel, value.dtype, _geometry(value))
@@ -195,8 +243,17 @@ class InitRecorder(TorchDispatchMode):
                 if param is None or id(param) in seen:
                     continue
                 seen.add(id(param))
-                own[name] = self._ops.get(_storage_key(param), []) if param.is_meta else []
+                own[name] = self._replay(param) if param.is_meta else []
             module.__dict__[_RECORDED] = own
+
+    def _replay(self, param: Tensor) -> list[_Op]:
+        """What gives ``param`` its values: its record, or a copy of what was computed for it (a parameter
+        made from a computed tensor, e.g. ``nn.Parameter(torch.ones(n, device="meta"))``)."""
+        computed = self._values.get(_storage_key(param))
+        if computed is None:
+            return self._ops.get(_storage_key(param), [])
+        value = computed.as_strided(*_geometry(param))
+        return [_Op(torch.ops.aten.copy_.default, (value,), {}, _geometry(param), None)]
 
 
 _RECORDED = "_megatrain_recorded_init"  # a module's own parameters' recorded ops, by name

@@ -70,11 +70,21 @@ def _pretrained_loads_for_real() -> Generator[None, None, None]:
     """Hugging Face's ``from_pretrained`` inside a meta build (megatrain's ``configure_model``) loads its
     weights as under the default strategy: built on meta they would be lost (and the ``kernels`` package
     cannot kernelize a meta model). The whole model is then in RAM once before megatrain's store takes it
-    over, so a warning points to ``megatrain_lightning.from_pretrained``, which streams it block by block."""
+    over, so a warning points to ``megatrain_lightning.from_pretrained``, which streams it block by block.
+    A resize of such a real model's embeddings (``resize_token_embeddings``) builds the new ones for real."""
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.__dict__["from_pretrained"]
     load = original.__func__
+    resize = PreTrainedModel.resize_token_embeddings
+
+    @functools.wraps(resize)
+    def resizing(model: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        embeddings = model.get_input_embeddings()
+        if building_on_meta() and embeddings is not None and not embeddings.weight.is_meta:
+            with building_for_real():
+                return resize(model, *args, **kwargs)
+        return resize(model, *args, **kwargs)
 
     @functools.wraps(load)
     def loading(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -90,7 +100,9 @@ def _pretrained_loads_for_real() -> Generator[None, None, None]:
             return load(cls, *args, **kwargs)
 
     PreTrainedModel.from_pretrained = classmethod(loading)
+    PreTrainedModel.resize_token_embeddings = resizing
     try:
         yield
     finally:
         PreTrainedModel.from_pretrained = original
+        PreTrainedModel.resize_token_embeddings = resize

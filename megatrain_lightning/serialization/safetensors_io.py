@@ -109,7 +109,11 @@ def read_header(path: str) -> dict[str, TensorEntry]:
 def read_into(entry: TensorEntry | PiecedEntry, dst: Tensor) -> None:
     """Read one tensor into ``dst`` (contiguous, host, same shape), converting the dtype if needed."""
     if tuple(dst.shape) != entry.shape:
-        raise SafetensorsError(f"{entry.path}: shape {entry.shape} is not the model's {tuple(dst.shape)}")
+        raise SafetensorsError(
+            f"{entry.path}: shape {entry.shape} is not the model's {tuple(dst.shape)}. A model changed after "
+            "loading (`resize_token_embeddings` in `configure_model`) cannot be filled from these files: "
+            "resize it in the LightningModule's `__init__`, or save the resized model once and load that."
+        )
     read_elements(entry, 0, dst.view(-1))
 
 
