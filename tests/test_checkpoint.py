@@ -105,15 +105,12 @@ def test_hugging_faces_from_pretrained_in_configure_model_loads_as_under_the_def
     assert all(isinstance(p, ParamPlaceholder) for p in paged.module.parameters())
 
 
-class StreamedResizedInConfigureModel(UserLM):
-    def __init__(self, directory: str) -> None:
-        super().__init__(None)
-        self.directory = directory
-
+class StreamedResizedInConfigureModel(PretrainedInConfigureModel):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = from_pretrained(self.directory)
             self.model.resize_token_embeddings(300)
+            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1)
 
 
 def test_a_resize_after_megatrains_streamed_load_is_a_clear_error(tmp_path):
