@@ -177,10 +177,28 @@ def _plan(
     return plan_for(shape, machine, strategy.optimizer_compression, workload).settings
 
 
+def _warn_disk_options_unused(strategy: MegaTrainStrategy) -> None:
+    given = [
+        name
+        for name, set_ in (
+            ("max_cpu_gb", strategy.max_cpu_gb is not None),
+            ("io_threads", strategy.io.threads != IOConfig.threads),
+        )
+        if set_
+    ]
+    if given:
+        rank_zero_warn(
+            f"megatrain: {' and '.join(f'`{name}`' for name in given)} size the disk tier; without "
+            "`offload_dir` the store is in RAM and they change nothing. Set `offload_dir` to page through a "
+            "folder on disk."
+        )
+
+
 def _disk_tier(
     strategy: MegaTrainStrategy, blocks: list[Block], auto: Settings | None
 ) -> tuple[str | None, int, list[str]]:
     if strategy.offload_dir is None:
+        _warn_disk_options_unused(strategy)
         return None, 0, []
     path = strategy.offload_dir
     if path == "auto":

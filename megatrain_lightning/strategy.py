@@ -383,7 +383,8 @@ class MegaTrainStrategy(RankedStrategy):
             recover(checkpoint_path)
         self.barrier()
         if not os.path.isdir(checkpoint_path):  # a directory is ours: ``verify`` says what it lacks
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            with checkpointing.loaded_safely(checkpoint_path):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         ckpt = ranked_checkpoint.verify(checkpoint_path, self.engine.config.shard)
         checkpointing.check_compatible(ckpt, self.engine)
         state = ckpt.lightning_state()

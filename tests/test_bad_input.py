@@ -112,6 +112,11 @@ def _load(tmp: Path, hf_dir: Path) -> Callable[[], None]:
     return lambda: _fit(tmp, module=CausalLMModule(str(hf_dir)))
 
 
+def _junk(path: Path) -> Path:
+    path.write_bytes(b"garbage\n")
+    return path
+
+
 def _flip_a_byte(path: Path) -> None:
     with open(path / "model" / "block-00001.safetensors", "r+b") as f:
         f.seek(-10, os.SEEK_END)
@@ -294,6 +299,11 @@ CASES = [
         "a corrupt checkpoint (one byte changed)",
         "does not match its checksum",
         lambda t, f: _resume(t, _checkpoint(t, f, _flip_a_byte)),
+    ),
+    Case(
+        "a file that is not a checkpoint",
+        "cannot be read as a checkpoint without running code from it",
+        lambda t, f: _resume(t, _junk(t / "junk.ckpt")),
     ),
     Case(
         "a truncated checkpoint",

@@ -111,6 +111,10 @@ def test_compose_groups_through_the_plugin(plugin_configs):
     assert cfg.data.path == "/corpus.jsonl" and cfg.data.seq_len == 128
     assert cfg.model.model == "/models/llama" and cfg.model.lr == 2e-5
 
+    # Without their folder or file these fail as missing, not as the tiny Llama on the shipped corpus.
+    cfg = compose("train", ["model=hf", "data=file"])
+    assert OmegaConf.is_missing(cfg.model, "model") and OmegaConf.is_missing(cfg.data, "path")
+
     cfg = compose("train", ["strategy=plain", "callbacks=none", "logger=none"])
     assert cfg.strategy == "auto" and not cfg.callbacks and not cfg.logger
     for name in ("llama_1b", "llama_7b", "llama_70b", "tiny_gpt2"):

@@ -158,6 +158,13 @@ def test_budget_smaller_than_the_largest_block():
         fit(tiny_model("llama"), MegaTrainStrategy(max_vram_gb=1e-6), steps=1)
 
 
+def test_disk_tier_options_without_a_disk_tier_are_said_to_change_nothing():
+    with pytest.warns(
+        UserWarning, match="`max_cpu_gb` and `io_threads` size the disk tier; without `offload_dir`"
+    ):
+        fit(tiny_model("llama"), MegaTrainStrategy(max_cpu_gb=1, io_threads=8), steps=1)
+
+
 @pytest.mark.parametrize("budget", [-1, 0, "8GB", float("nan"), True])
 def test_negative_or_non_numeric_budgets(budget):
     with pytest.raises(MisconfigurationException, match="positive number"):

@@ -135,7 +135,8 @@ def check_codec(compression: str, saved: dict[str, Any] | None) -> int:
         raise ValueError(
             "megatrain: the optimizer state was saved with "
             f"`optimizer_compression={saved['compression']!r}`; resume it with that setting (this run uses "
-            f"{compression!r})."
+            f"{compression!r}), or, to change it, convert the checkpoint to one file with the moments in "
+            "fp32 (`megatrain convert CHECKPOINT OUT.ckpt`) and resume from that."
         )
     version = saved["version"]
     if version != codecs.FORMAT_VERSION and not (compression == "int8" and version in _INT8_LINEAR_V):

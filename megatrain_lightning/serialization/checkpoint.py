@@ -26,10 +26,12 @@ into a standard single-file Lightning checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -207,6 +209,22 @@ def _write_optimizer_state(
 def _flat(layout: tuple[torch.dtype, int]) -> tuple[torch.dtype, tuple[int, ...]]:
     dtype, numel = layout
     return dtype, (numel,)
+
+
+@contextlib.contextmanager
+def loaded_safely(path: str) -> Iterator[None]:
+    """Around the load of a single-file checkpoint with ``torch.load(weights_only=True)``: a refusal is said
+    for what it is, instead of torch's advice to load the file with ``weights_only=False`` (running code
+    from it)."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"megatrain: {path} cannot be read as a checkpoint without running code from it "
+            "(`torch.load(weights_only=True)` refused it): it is corrupt, not a checkpoint, or holds "
+            "objects other than tensors and plain containers. Pass the checkpoint Lightning wrote (a "
+            "megatrain checkpoint is a folder); load a file with `weights_only=False` only if you trust it."
+        ) from err
 
 
 def check_compatible(ckpt: CheckpointDir, engine: Any) -> None:
