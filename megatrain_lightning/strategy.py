@@ -14,6 +14,7 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -219,6 +220,8 @@ class MegaTrainStrategy(RankedStrategy):
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            where = self.engine.store.describe()
+            rank_zero_info(f"megatrain: the model's fp32 weights and optimizer state are {where}")
             self.setup_optimizers(trainer)
         if (fitting and self.optimizer_compression != "none") or self.engine.store.has_shadow:
             from megatrain_lightning.optim import kernel

@@ -180,6 +180,7 @@ def test_defaults_keep_one_checkpoint_a_log_and_no_empty_folder(first_run):
     log = (first_run / "train.log").read_text()
     assert "final train_loss:" in log and "Trainer.fit" in log  # ours and Lightning's messages
     assert f"{checkpoints / 'last.ckpt'}" in log and " GB" in log  # the checkpoint size line
+    assert f"optimizer state are on disk in {first_run / 'offload' / 'megatrain_store'}" in log  # the tier
 
 
 def test_resume_from_the_apps_checkpoint_with_ckpt_path(first_run, monkeypatch):

@@ -234,6 +234,9 @@ class DiskStore(ChunkedSpans, ReadAhead, HostStore):
         """Nothing to free at once: other kinds live in the block files until the store closes, and in a
         cache bounded by ``cache_bytes`` (a finalizer may not take ``_cond`` to evict them)."""
 
+    def describe(self) -> str:
+        return f"on disk in {self.directory}, through a host cache of {self.cache_bytes / 1e9:.3g} GB"
+
     def nbytes(self, *kinds: str) -> int:
         with self._cond:
             return self._arena.held()

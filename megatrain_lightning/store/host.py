@@ -306,6 +306,10 @@ class HostStore:
     def claim(self, block: int, kinds: Iterable[str]) -> None:
         """``kinds`` of ``block`` are pinned next, ahead of every predicted access (a submitted update)."""
 
+    def describe(self) -> str:
+        """Where the store is, for the line a run starts with."""
+        return "in RAM"
+
     def nbytes(self, *kinds: str) -> int:
         """Bytes of host memory the store holds (for ``kinds``, or all): whole pages, as allocated (and
         page-locked, for pinned weights); of a joint buffer of weights and shadow, each one's bytes."""
