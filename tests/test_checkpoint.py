@@ -113,12 +113,23 @@ class StreamedResizedInConfigureModel(PretrainedInConfigureModel):
             self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1)
 
 
-def test_a_resize_after_megatrains_streamed_load_is_a_clear_error(tmp_path):
-    tiny_model("llama").save_pretrained(tmp_path)
-    with pytest.raises(
-        Exception, match="is not the model's .* resize it in the LightningModule's `__init__`"
-    ):
-        user_fit(str(tmp_path), MegaTrainStrategy(), module_cls=StreamedResizedInConfigureModel)
+class StreamedUntiedInConfigureModel(PretrainedInConfigureModel):
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = from_pretrained(self.directory)
+            self.model.config.tie_word_embeddings = False
+            head = self.model.model.embed_tokens.weight.detach().clone()
+            self.model.lm_head.weight = torch.nn.Parameter(head)
+            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1)
+
+
+@pytest.mark.parametrize("module_cls", [StreamedResizedInConfigureModel, StreamedUntiedInConfigureModel])
+def test_reading_weights_megatrains_streamed_load_fills_later_is_a_clear_error(tmp_path, module_cls):
+    """They have no values during the build (a resize's copy of the old rows, a head untied by a copy of the
+    embedding would read the recorded random initialization, not the checkpoint's)."""
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="reads the values of a tensor on the meta device"):
+        user_fit(str(tmp_path), MegaTrainStrategy(), module_cls=module_cls)
 
 
 def test_a_model_built_on_meta_outside_lightning_reads_lazily(tmp_path):

@@ -303,6 +303,7 @@ def _resized(tokens: int | None) -> Callable[[torch.nn.Module], None]:
 @pytest.mark.parametrize(
     ("arch", "tokens"),
     [("llama", None), ("gpt2", None), ("qwen2_moe", None), ("qwen3_next", None), ("mamba", None)]
+    + [("olmo_hybrid", None)]
     + [("llama", 300), ("llama", 200), ("gpt2", 300)],
 )
 def test_recorded_meta_build_replays_to_the_plain_build(arch, tokens):

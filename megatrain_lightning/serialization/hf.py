@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
+from megatrain_lightning.serialization.initialization import loaded_from_files
 from megatrain_lightning.serialization.meta import building_for_real, building_on_meta, init_on_meta
 from megatrain_lightning.serialization.safetensors_io import (
     TensorEntry,
@@ -85,6 +86,7 @@ def from_pretrained(directory: str, lazy: bool | None = None) -> nn.Module:
     with init_on_meta():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
     setattr(model, WEIGHTS_ATTR, weights)
+    loaded_from_files([p for name, p in model.named_parameters() if name in weights.entries])
     return model
 
 

@@ -12,12 +12,14 @@ time, without ever holding the whole model.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -25,31 +27,20 @@ from torch.utils._pytree import tree_flatten, tree_map
 from megatrain_lightning.serialization.meta import building_on_meta
 from megatrain_lightning.store.memory import host_empty
 
-# In-place ops that draw from the global generator (``generator=None``).
-_RANDOM_OPS = frozenset(
-    f"aten.{name}_"
-    for name in (
-        "normal",
-        "uniform",
-        "random",
-        "bernoulli",
-        "exponential",
-        "cauchy",
-        "log_normal",
-        "geometric",
-    )
-)
-
-
 _active = threading.local()  # the recorder this thread's ops go to
+
+
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset
 
 
 @dataclass(frozen=True)
 class _Op:
+    """An in-place op on a tensor's storage, recorded to replay on the real tensor."""
+
     func: Any  # an aten OpOverload
-    args: tuple[Any, ...]  # after the target tensor; weights on meta among them as :class:`_Source`
+    args: tuple[Any, ...]  # after the target tensor; tensors on meta among them as :class:`_Source`
     kwargs: dict[str, Any]
-    geometry: tuple[tuple[int, ...], tuple[int, ...], int]  # the part of the weight's storage it writes
+    geometry: Geometry  # the part of the storage it writes
     rng_state: Tensor | None  # the generator state the op starts from (random ops only)
 
     def apply(self, target: Tensor) -> None:
@@ -62,33 +53,85 @@ class _Op:
 
 
 @dataclass(frozen=True)
-class _Source:
-    """A weight on meta that a recorded op reads (``resize_token_embeddings`` copies the old embedding's rows
-    into the new one): a part of it as its first ``count`` recorded ops leave it."""
+class _Made:
+    """How a tensor on meta that is not a weight was made: an op on other tensors (Mamba's
+    ``torch.log(A)``, a resize's covariance of the old rows) or a factory with values (``torch.arange``,
+    ``torch.rand``), computed on the CPU when its values are needed."""
 
-    ops: list[_Op]  # the weight's record (it may grow later; the source is its first ``count``)
-    count: int
-    numel: int  # of the weight's storage
+    func: Any
+    args: tuple[Any, ...]  # tensors on meta as :class:`_Source`; the meta device as the CPU
+    kwargs: dict[str, Any]
+    output: int  # which of the op's tensors
+    rng_state: Tensor | None
+
+    def value(self) -> Tensor:
+        args, kwargs = _materialized((self.args, self.kwargs))
+        if self.rng_state is not None:
+            torch.set_rng_state(self.rng_state)
+        return tree_flatten(self.func(*args, **kwargs))[0][self.output]
+
+
+@dataclass
+class _Storage:
+    """A meta storage: how it was made (nothing: a weight, from ``empty``) and the ops that wrote it."""
+
+    numel: int
     dtype: torch.dtype
-    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+    made: tuple[_Made, Geometry] | None = None
+    ops: list[_Op] = field(default_factory=list)
+    from_files: bool = False  # its values come from checkpoint files once the build is over
+
+    def values(self, count: int) -> Tensor:
+        """Its values after its first ``count`` ops, as a flat CPU tensor."""
+        flat = torch.empty(self.numel, dtype=self.dtype)
+        if self.made is not None:
+            made, geometry = self.made
+            flat.as_strided(*geometry).copy_(made.value())
+        for op in self.ops[:count]:
+            op.apply(flat)
+        return flat
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A tensor on meta that a recorded op reads (the old embedding's rows a resize copies), as its
+    storage's first ``count`` ops left it."""
+
+    storage: _Storage
+    count: int
+    geometry: Geometry
 
     def materialize(self) -> Tensor:
         """Its values, the generator left as it was (replaying a random op sets its state)."""
         state = torch.get_rng_state()
         try:
-            storage = torch.empty(self.numel, dtype=self.dtype)
-            for op in self.ops[: self.count]:
-                op.apply(storage)
+            return self.storage.values(self.count).as_strided(*self.geometry)
         finally:
             torch.set_rng_state(state)
-        return storage.as_strided(*self.geometry)
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    """A tensor on meta that an op reads for its shape and dtype alone (``torch.zeros_like(w)``)."""
+
+    geometry: Geometry
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: Tensor) -> _Shaped:
+        size, stride, _ = _geometry(t)
+        return cls((size, stride, 0), t.dtype)
+
+    def materialize(self) -> Tensor:
+        size, stride, _ = self.geometry
+        return torch.empty_strided(size, stride, dtype=self.dtype)
 
 
 def _materialized(value: Any) -> Any:
-    return tree_map(lambda v: v.materialize() if isinstance(v, _Source) else v, value)
+    return tree_map(lambda v: v.materialize() if isinstance(v, (_Source, _Shaped)) else v, value)
 
 
-def _geometry(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+def _geometry(t: Tensor) -> Geometry:
     return tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
@@ -106,15 +149,38 @@ def _on_cpu(value: Any) -> Any:
     return torch.device("cpu") if isinstance(value, torch.device) and value.type == "meta" else value
 
 
-# Factories of uninitialized memory: nothing to compute (a weight made so gets its values from its record).
-_EMPTY = frozenset(
-    (
-        torch.ops.aten.empty,
-        torch.ops.aten.empty_strided,
-        torch.ops.aten.empty_like,
-        torch.ops.aten.new_empty,
-        torch.ops.aten.new_empty_strided,
+def _draws(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` draws from the global generator: an op of which some form takes a generator
+    (``rand``, ``normal_``, ``bernoulli``), called without one."""
+    return kwargs.get("generator") is None and _takes_a_generator(func.overloadpacket)
+
+
+@functools.cache
+def _takes_a_generator(packet: Any) -> bool:
+    return any(
+        argument.name == "generator"
+        for overload in packet.overloads()
+        for argument in getattr(packet, overload)._schema.arguments
     )
+
+
+def _packets(*names: str) -> frozenset[Any]:
+    return frozenset(getattr(torch.ops.aten, name) for name in names)
+
+
+# Factories of uninitialized memory: nothing to compute (a weight made so gets its values from its ops).
+_EMPTY = _packets("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+# Ops that read a tensor for its shape and dtype alone.
+_SHAPE_ONLY = _packets(
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "new_zeros",
+    "new_ones",
+    "new_full",
 )
 
 
@@ -130,18 +196,17 @@ class InitRecorder(TorchDispatchMode):
         initialize(module, model._init_weights)  # each module, once its parameters are real
 
     Ops are recorded by the storage they write, so a view's or a ``.data`` alias's ops are the weight's,
-    and a weight handed to another parameter (``p.data = q.data``) keeps its record. Tensors the build
-    computes on meta that are not weights (Mamba's ``torch.arange(..., device=A_log.device)`` and
-    ``torch.rand`` of its ``dt``; the mean and covariance of the old embedding that
-    ``resize_token_embeddings`` draws the new rows from) are computed on the CPU too, as in a plain build:
-    random ones draw the same numbers, and ``.item()`` reads them. An op that reads a weight reads it as
-    its record so far leaves it.
+    and a weight handed to another parameter (``p.data = q.data``) keeps its record. A tensor the build
+    computes on meta (Mamba's ``torch.arange(..., device=A_log.device)`` and ``torch.rand`` of its
+    ``dt``; the mean and covariance of the old embedding that ``resize_token_embeddings`` draws the new
+    rows from) is recorded as how it was made, and computed on the CPU where its values are needed: when
+    its weight is replayed, and at once for ``.item()``. A random one draws at once too, so the generator
+    advances as in a plain build. An op reads another tensor as that tensor's record so far leaves it.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._ops: dict[int, list[_Op]] = {}  # a weight's meta storage (:func:`_storage_key`) -> its ops
-        self._values: dict[int, Tensor] = {}  # a computed meta tensor's storage -> its values on the CPU
+        self._storages: dict[int, _Storage] = {}  # by :func:`_storage_key`
         self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their storages stay unique
         self._nested = False
 
@@ -149,8 +214,7 @@ class InitRecorder(TorchDispatchMode):
         """Inside another recorder this one shares its record: recording twice would draw twice."""
         outer = getattr(_active, "recorder", None)
         if outer is not None:
-            self._ops, self._values, self._keep = outer._ops, outer._values, outer._keep
-            self._nested = True
+            self._storages, self._keep, self._nested = outer._storages, outer._keep, True
             return self
         _active.recorder = self
         return super().__enter__()
@@ -167,66 +231,74 @@ class InitRecorder(TorchDispatchMode):
         if not building_on_meta():  # suspended (Hugging Face's from_pretrained builds its own way)
             return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and _is_meta(target):
-            return self._value(target).item()
-        writes_meta = _is_meta(target) and func._schema.is_mutable
-        if writes_meta and _storage_key(target) not in self._values:
+            return self._source(target).materialize().item()
+        if _is_meta(target) and func._schema.is_mutable:
             self._record(func, target, args[1:], kwargs)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        made = [t for t in tree_flatten(out)[0] if _is_meta(t) and t is not target]
-        made = [t for t in made if all(_storage_key(t) != _storage_key(i) for i in inputs if i.is_meta)]
-        # Computed: what computes from tensors on meta, and factories with values (an `empty` one has none,
-        # and a real tensor moved to meta is a parameter being made).
-        computes = any(i.is_meta for i in inputs) or not (inputs or func.overloadpacket in _EMPTY)
-        if writes_meta or (made and computes):
-            self._compute(func, args, kwargs, out, made)
+        taken = {_storage_key(i) for i in inputs if i.is_meta}  # a view shares its input's storage
+        made = [i for i, t in enumerate(tree_flatten(out)[0]) if _is_meta(t) and _storage_key(t) not in taken]
+        if made and func.overloadpacket not in _EMPTY:  # an `empty` one has no values to make
+            self._made(func, args, kwargs, out, made)
         return out
 
+    def _storage(self, t: Tensor) -> _Storage:
+        self._keep.append(t)
+        key = _storage_key(t)
+        if key not in self._storages:
+            numel = t.untyped_storage().nbytes() // t.element_size()
+            self._storages[key] = _Storage(numel, t.dtype)
+        return self._storages[key]
+
     def _record(self, func: Any, target: Tensor, args: tuple, kwargs: dict) -> None:
-        """An in-place op on a weight: recorded to replay, and the generator advanced as a plain build's."""
+        """An in-place op on a tensor on meta: recorded to replay, and the generator advanced as a plain
+        build's."""
+        storage = self._storage(target)
         rng_state = None
-        if str(func.overloadpacket) in _RANDOM_OPS and kwargs.get("generator") is None:
+        if _draws(func, kwargs):
             rng_state = torch.get_rng_state()
             # An anonymous map, returned to the system when freed: heap scratch of every size stays in RSS.
-            extent = target.untyped_storage().nbytes() // target.element_size()
-            scratch = host_empty(extent, target.dtype).as_strided(*_geometry(target))
+            scratch = host_empty(storage.numel, target.dtype).as_strided(*_geometry(target))
             func(scratch, *args, **kwargs)  # advance the generator as a plain build does
         recorded = tree_map(self._source, (args, kwargs))
-        self._ops.setdefault(_storage_key(target), []).append(
-            _Op(func, *recorded, _geometry(target), rng_state)
-        )
-        self._keep.append(target)
+        storage.ops.append(_Op(func, *recorded, _geometry(target), rng_state))
 
-    def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any, made: list[Tensor]) -> None:
-        """``func`` on the CPU values of its meta arguments: the values of the tensors it ``made`` (or, in
-        place, of the computed tensor it changes)."""
-        values = tree_map(lambda v: self._value(v) if _is_meta(v) else _on_cpu(v), (args, kwargs))
-        real = func(*values[0], **values[1])
-        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=True):
-            if any(fake is t for t in made):
-                self._values[_storage_key(fake)] = value
-                self._keep.append(fake)
-
-    def _value(self, t: Tensor) -> Tensor:
-        """The values of meta tensor ``t``: computed, or its weight's as the record so far leaves them."""
-        computed = self._values.get(_storage_key(t))
-        if computed is not None:
-            return computed.as_strided(*_geometry(t))
-        return self._source(t).materialize()
+    def _made(self, func: Any, args: tuple, kwargs: dict, out: Any, made: list[int]) -> None:
+        """Record how ``func`` made its outputs ``made`` (indices of its tensors)."""
+        source = _Shaped.of if func.overloadpacket in _SHAPE_ONLY else self._source
+        arguments = tree_map(lambda v: source(v) if _is_meta(v) else _on_cpu(v), (args, kwargs))
+        rng_state = None
+        if _draws(func, kwargs):
+            rng_state = torch.get_rng_state()
+            func(*_materialized(arguments[0]), **_materialized(arguments[1]))  # draw as a plain build does
+        tensors = tree_flatten(out)[0]
+        for index in made:
+            self._storage(tensors[index]).made = (
+                _Made(func, *arguments, index, rng_state),
+                _geometry(tensors[index]),
+            )
 
     def _source(self, value: Any) -> Any:
-        """A recorded op's argument as replay needs it: a weight on meta as its record so far, a computed
-        tensor as a copy of its values now."""
+        """A recorded op's argument as replay needs it: a tensor on meta as its record so far. One with no
+        record has no values to read (a weight to be loaded from checkpoint files, one never initialized):
+        a clear error, where a plain build reads the values it has."""
         if not _is_meta(value):
             return value
-        computed = self._values.get(_storage_key(value))
-        if computed is not None:
-            return computed.as_strided(*_geometry(value)).clone()
-        ops = self._ops.setdefault(_storage_key(value), [])
-        numel = value.untyped_storage().nbytes() // value.element_size()
-        self._keep.append(value)
-        return _Source(ops, len(ops), numel, value.dtype, _geometry(value))
+        storage = self._storage(value)
+        if storage.from_files or (storage.made is None and not storage.ops):
+            raise MisconfigurationException(
+                "megatrain: the model built in `configure_model` reads the values of a tensor on the meta "
+                "device that megatrain cannot know there (a weight loaded from checkpoint files later, one "
+                "never initialized, a `torch.tensor(..., device=w.device)`): a copy, a cast or an `.item()` "
+                "of it. Do this after `fit`, or build the model in the LightningModule's `__init__`."
+            )
+        return _Source(storage, len(storage.ops), _geometry(value))
+
+    def from_files(self, weights: list[Tensor]) -> None:
+        """``weights`` get their values from checkpoint files after the build: none to read before."""
+        for weight in weights:
+            self._storage(weight).from_files = True
 
     def install(self, root: nn.Module) -> None:
         """Let every module inside ``root`` (e.g. a LightningModule whose ``configure_model`` ran under the
@@ -247,13 +319,22 @@ class InitRecorder(TorchDispatchMode):
             module.__dict__[_RECORDED] = own
 
     def _replay(self, param: Tensor) -> list[_Op]:
-        """What gives ``param`` its values: its record, or a copy of what was computed for it (a parameter
-        made from a computed tensor, e.g. ``nn.Parameter(torch.ones(n, device="meta"))``)."""
-        computed = self._values.get(_storage_key(param))
-        if computed is None:
-            return self._ops.get(_storage_key(param), [])
-        value = computed.as_strided(*_geometry(param))
-        return [_Op(torch.ops.aten.copy_.default, (value,), {}, _geometry(param), None)]
+        """What gives ``param`` its values: its ops, or, for a parameter made from a computed tensor
+        (``nn.Parameter(torch.ones(n, device="meta"))``), a copy of that tensor's values."""
+        storage = self._storages.get(_storage_key(param))
+        if storage is None:
+            return []
+        if storage.made is None:
+            return storage.ops
+        whole = _Source(storage, len(storage.ops), _geometry(param))
+        return [_Op(torch.ops.aten.copy_.default, (whole,), {}, _geometry(param), None)]
+
+
+def loaded_from_files(weights: list[Tensor]) -> None:
+    """Tell the recorder of this thread's meta build, if any, that ``weights`` are filled from files."""
+    recorder = getattr(_active, "recorder", None)
+    if recorder is not None:
+        recorder.from_files(weights)
 
 
 _RECORDED = "_megatrain_recorded_init"  # a module's own parameters' recorded ops, by name
