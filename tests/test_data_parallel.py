@@ -141,6 +141,18 @@ class KilledLM(FailingLM):
     kill = True
 
 
+class WeightNormLM(SyncedLM):
+    """Logs a weight's norm each step, as users do, with autograd on (Lightning runs hooks so)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("head_norm", self.model.lm_head.weight.norm())
+
+
+class L2PenaltyLM(UserLM):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 1e-2 * self.model.lm_head.weight.pow(2).sum()
+
+
 class RankProbe(L.Callback):
     """In every rank: the loss averaged over ranks per micro-batch and what the rank saw, saved to ``out``."""
 
@@ -268,6 +280,7 @@ def _dp_fit(
         ("mixtral", 2, SyncedLM, dict(gradient_clip_val=0.5, accumulate_grad_batches=2)),  # experts
         ("llama", 2, SometimesLM, dict(accumulate_grad_batches=2)),
         ("llama", 2, ScaledGradLM, dict(gradient_clip_val=0.01)),  # the clipping norm sees the scaling
+        ("llama", 2, WeightNormLM, {}),  # a weight read with autograd on, no gradient from it
     ],
     ids=[
         "llama-accumulate",
@@ -276,6 +289,7 @@ def _dp_fit(
         "moe-clip-accumulate",
         "llama-sometimes",
         "llama-grads-scaled-clip",
+        "llama-weight-norm-logged",
     ],
 )
 def test_two_ranks_train_as_one_with_the_doubled_batch(
@@ -568,8 +582,12 @@ def test_each_rank_holds_half_the_store_and_moves_the_least(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     ("module_cls", "error"),
-    [(FailingLM, "rank 1 failed on purpose"), (KilledLM, "process 1 terminated with signal SIGKILL")],
-    ids=["raises", "killed"],
+    [
+        (FailingLM, "rank 1 failed on purpose"),
+        (KilledLM, "process 1 terminated with signal SIGKILL"),
+        (L2PenaltyLM, "a gradient reached it; under data parallel each rank holds only part of it"),
+    ],
+    ids=["raises", "killed", "weight-penalty"],
 )
 def test_a_failing_rank_stops_the_run(module_cls: type[UserLM], error: str, tmp_path: Path) -> None:
     start = time.monotonic()

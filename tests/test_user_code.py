@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 import weakref
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from megatrain_lightning import MegaTrainStrategy
-from megatrain_lightning.engine.placeholders import ParamPlaceholder
+from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 
 
 class GradModeLayer(nn.Module):
@@ -265,6 +266,16 @@ class WeightPenaltiesLM(L2PenaltyLM):
         return super().training_step(batch, batch_idx) + 1e-1 * pull + 1e-3 * norm
 
 
+class PenaltyBeforeTheStepLM(UserLM):
+    """The penalty's graph built before `training_step` (in a batch-start hook), used in its loss."""
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.penalty = self.model.lm_head.weight.pow(2).sum()
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 1e-2 * self.penalty
+
+
 class TiedByFunctionLM(ToyLM):
     """Model code that uses a weight outside its module: the head is the embedding's weight, by `F.linear`."""
 
@@ -287,7 +298,9 @@ def test_weights_used_outside_their_layers_train_as_in_plain_pytorch(tier, tmp_p
         (tiny_model("gpt2"), L2PenaltyLM, None, {"gradient_clip_val": 0.5}, 0),
         (TiedByFunctionLM(), UserLM, [GradModeLayer], {}, 0),
         (tiny_model("llama"), WeightPenaltiesLM, None, {"accumulate_grad_batches": 2}, 1e-6),
+        (tiny_model("llama"), PenaltyBeforeTheStepLM, None, {"gradient_clip_val": 0.5}, 0),
     ]
+    stores = []
     for case, (model, module_cls, block_classes, trainer_kwargs, tolerance) in enumerate(cases):
         options = {
             "slots": {"zero_copy": False},
@@ -298,6 +311,7 @@ def test_weights_used_outside_their_layers_train_as_in_plain_pytorch(tier, tmp_p
             user_fit(model, s, module_cls=module_cls, **trainer_kwargs) for s in ("auto", strategy)
         )
         assert_same_training(plain, paged, loss_rtol=tolerance, param_atol=tolerance)
+        stores.append(weakref.ref(weight_source_of(paged.module)))
     # After `fit`, the trainer kept (so the engine too): a backward of the user's through a view.
     weight = paged.module.model.lm_head.weight
     paged.module.zero_grad()
@@ -305,6 +319,11 @@ def test_weights_used_outside_their_layers_train_as_in_plain_pytorch(tier, tmp_p
     expected = torch.zeros(weight.shape)
     expected[3] = 2.0
     assert torch.equal(weight.grad, expected)
+    del plain, paged, weight
+    gc.collect()
+    # Nothing of this keeps a model's store alive (but where the module holds a penalty's graph, whose
+    # autograd nodes hold the placeholders: a cycle through C++ that the garbage collector cannot see).
+    assert [stored() is None for stored in stores] == [True, True, True, True, False]
 
 
 class PeekingLayer(GradModeLayer):

@@ -368,7 +368,12 @@ class Engine:
                 "one's would be lost. Name the module that reads it in "
                 "`MegaTrainStrategy(block_classes=...)`, so that both are one block."
             )
-        self.outside_uses.note(name, block, func)
+        self.outside_uses.note(block)
+
+    def outside_grad_arrived(self, placeholder: Tensor) -> None:
+        """Autograd summed a gradient in ``placeholder``, used outside its block (:mod:`.outside_uses`)."""
+        updating = self.optimizer is not None and self.optimizer.updates.submitted(placeholder._block)
+        self.outside_uses.arrived(placeholder, updating)
 
     def offload(
         self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool
@@ -376,7 +381,9 @@ class Engine:
         """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer
         (unless the block's weights were used outside it too: its gradient is final at the backward's end)."""
         block = site.block
-        last_use = last_use and block.index not in self.outside_uses.blocks
+        if self.outside_uses.blocks:  # weights used outside their blocks: final when this backward ends
+            self.outside_uses.end_with_backward()
+            last_use = last_use and block.index not in self.outside_uses.blocks
         if self.optimizer is not None and self.optimizer.updates.submitted(block.index):
             raise RuntimeError(
                 f"megatrain: block {block.index} got gradients after its update began: a second backward "

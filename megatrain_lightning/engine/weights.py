@@ -41,7 +41,7 @@ class StoredWeights:
         self._engine: Callable[[], Engine | None] = lambda: None
         self._loaded_keys: set[str] = set()  # store-loaded state_dict keys (see load_hook)
         self.user_writes = [0] * len(blocks)  # in-place changes by user code, by block (see PagedCall)
-        self._outside_hooks: set[tuple[int, int]] = set()  # placeholders whose gradients the engine takes
+        self._outside_hooks: dict[tuple[int, int], Any] = {}  # placeholders whose gradients engines take
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -69,6 +69,9 @@ class StoredWeights:
         """Leave the module plain: its own forwards and hooks, and real parameters in place of the
         placeholders, holding the stored weights (``materialize``) or on meta."""
         self.uninstall_hooks()
+        for handle in self._outside_hooks.values():
+            handle.remove()
+        self._outside_hooks.clear()
         read = materialize and isinstance(self.store, DiskStore)  # the whole model into RAM: many GB
         with byte_progress(4 * sum(b.numel for b in self.blocks) if read else 0, "reading weights") as bar:
             for block, placeholders in zip(self.blocks, self.placeholders, strict=True):
@@ -133,13 +136,8 @@ class StoredWeights:
             return
         engine.note_outside_use(placeholder._name, block, func)
         if (block, index) not in self._outside_hooks:
-            self._outside_hooks.add((block, index))
-            placeholder.register_post_accumulate_grad_hook(self._outside_grad_arrived)
-
-    def _outside_grad_arrived(self, placeholder: nn.Parameter) -> None:
-        engine = self.engine
-        if engine is not None:
-            engine.outside_uses.arrived(placeholder)
+            hook = _OutsideGradHook(weakref.ref(self))
+            self._outside_hooks[block, index] = placeholder.register_post_accumulate_grad_hook(hook)
 
     def user_grad(self, block: int, index: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
         """``p.grad`` while an engine trains the module: the gradient it summed (placeholders hold their
@@ -191,3 +189,18 @@ class StoredWeights:
     def forget_loaded_keys(self, module: nn.Module, incompatible: Any) -> None:
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded_keys]
         self._loaded_keys.clear()
+
+
+class _OutsideGradHook:
+    """A placeholder's post-accumulate-grad hook: hands the gradient to the engine of the weights, held
+    weakly (torch's garbage collector does not see these hooks: a strong reference would keep the store,
+    the whole model, alive for good)."""
+
+    def __init__(self, weights: weakref.ref[StoredWeights]) -> None:
+        self.weights = weights
+
+    def __call__(self, placeholder: nn.Parameter) -> None:
+        weights = self.weights()
+        engine = weights.engine if weights is not None else None
+        if engine is not None:
+            engine.outside_grad_arrived(placeholder)
