@@ -11,10 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import Run, assert_same_training, user_fit
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-from zoo import CACHE_CHANGES_ROUNDING, EXCLUDED, included_archs, tiny_zoo_model, without_cache
+from zoo import (
+    CACHE_CHANGES_ROUNDING,
+    EXCLUDED,
+    included_archs,
+    tiny_zoo_config,
+    tiny_zoo_model,
+    without_cache,
+)
 
 from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning.serialization.initialization import InitRecorder, initialize
+from megatrain_lightning.serialization.meta import init_on_meta
 
 ARCHS = included_archs()
 # Padded dict batches (attention_mask, -100 labels) for families whose masks are built differently:
@@ -70,3 +81,36 @@ def test_zoo_padded_dict_batches(arch, plain_runs):
     model, plain = _plain(plain_runs, arch, dicts=True, checkpointed=True)
     paged = user_fit(model, MegaTrainStrategy(activation_checkpointing=True), dicts=True)
     assert_same_training(plain, paged)
+
+
+# Meta builds (`configure_model` under megatrain) that do not start from the plain build's weights, each
+# with its reason: torch's `trunc_normal_` returns at once on meta, drawing nothing (ModernBERT's init).
+META_BUILD_DIFFERS = {"modernbert-decoder"}
+# A build that makes a tensor by `torch.tensor(..., device=w.device)`, which megatrain's recorder cannot
+# see, and copies it into weights: refused with an error saying to build in `__init__` (RWKV's init).
+META_BUILD_REFUSED = {"rwkv"}
+
+
+def test_zoo_meta_builds_start_from_the_plain_builds_weights():
+    """Every architecture built on meta with megatrain's recorder, then replayed module by module, equals
+    its plain build with the same seed, but the two sets above (which this test keeps current)."""
+    differs, refused = set(), set()
+    for arch in ARCHS:
+        torch.manual_seed(0)
+        plain = AutoModelForCausalLM.from_config(tiny_zoo_config(arch))
+        torch.manual_seed(0)
+        try:
+            with init_on_meta(), InitRecorder() as recorder:
+                built = AutoModelForCausalLM.from_config(tiny_zoo_config(arch))
+        except MisconfigurationException:
+            refused.add(arch)
+            continue
+        recorder.install(built)
+        built.to_empty(device="cpu")
+        built.tie_weights()
+        for module in reversed(list(built.modules())):
+            initialize(module, model_init=built._init_weights)
+        expected, actual = dict(plain.named_parameters()), dict(built.named_parameters())
+        if not all(torch.equal(expected[name], actual[name]) for name in expected):
+            differs.add(arch)
+    assert (differs, refused) == (META_BUILD_DIFFERS, META_BUILD_REFUSED)

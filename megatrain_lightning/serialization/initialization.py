@@ -164,6 +164,19 @@ def _takes_a_generator(packet: Any) -> bool:
     )
 
 
+# A real tensor moved to meta (a parameter made on the CPU, registered under megatrain's meta build): the
+# values of a small one are kept (learned scales, biases of zeros, which no init may set again); a large one
+# is a weight whose values its init sets, and keeping it would keep the model in RAM.
+_KEPT_REAL_BYTES = 1 << 20
+
+
+def _holds_a_large_real_tensor(value: Any) -> bool:
+    return any(
+        isinstance(t, Tensor) and not t.is_meta and t.untyped_storage().nbytes() > _KEPT_REAL_BYTES
+        for t in tree_flatten(value)[0]
+    )
+
+
 def _packets(*names: str) -> frozenset[Any]:
     return frozenset(getattr(torch.ops.aten, name) for name in names)
 
@@ -239,7 +252,7 @@ class InitRecorder(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         taken = {_storage_key(i) for i in inputs if i.is_meta}  # a view shares its input's storage
         made = [i for i, t in enumerate(tree_flatten(out)[0]) if _is_meta(t) and _storage_key(t) not in taken]
-        if made and func.overloadpacket not in _EMPTY:  # an `empty` one has no values to make
+        if made and func.overloadpacket not in _EMPTY and not _holds_a_large_real_tensor((args, kwargs)):
             self._made(func, args, kwargs, out, made)
         return out
 

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -32,7 +31,7 @@ def init_on_meta() -> Generator[None, None, None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and not param.is_meta:
-            meta = torch.empty_like(module._parameters[name], device="meta")  # its values are not kept
+            meta = module._parameters[name].to("meta")  # a recorder keeps small ones' values
             module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
 
     outermost = not building_on_meta()
