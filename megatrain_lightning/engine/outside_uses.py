@@ -50,8 +50,8 @@ class OutsideUses:
         self._end_queued = False  # a backward that failed never reached its end
 
     def note(self, block: int) -> None:
-        """A use of ``block``'s weights outside it, autograd on: its gradient is final at the backward's end
-        (a read alone, under data parallel, needs nothing: see :meth:`arrived`)."""
+        """A use of ``block``'s weights outside it, autograd on: its gradient is final at the backward's end.
+        Under data parallel nothing waits: a read alone is fine, a gradient an error (:meth:`arrived`)."""
         if not self.data_parallel:
             self.blocks.add(block)
 

@@ -220,7 +220,7 @@ class InitRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._storages: dict[int, _Storage] = {}  # by :func:`_storage_key`
-        self._keep: list[Tensor] = []  # the recorded tensors stay alive, so their storages stay unique
+        self._keep: list[Tensor] = []  # a tensor of each recorded storage: the storages stay unique
         self._nested = False
 
     def __enter__(self) -> InitRecorder:
@@ -257,9 +257,9 @@ class InitRecorder(TorchDispatchMode):
         return out
 
     def _storage(self, t: Tensor) -> _Storage:
-        self._keep.append(t)
         key = _storage_key(t)
         if key not in self._storages:
+            self._keep.append(t)  # one tensor keeps the storage, so its key, alive
             numel = t.untyped_storage().nbytes() // t.element_size()
             self._storages[key] = _Storage(numel, t.dtype)
         return self._storages[key]
