@@ -13,7 +13,10 @@ same initial weights and batches in every case:
   as a GPU would (not run unless named in ``--cases``);
 - ``f``, ``g``: the disk tier (a store under a temporary folder, its default cache of the RAM) with a
   slot for every block and with two slots (what a CPU run gets by default), activation checkpointing
-  on (not run unless named).
+  on (not run unless named);
+- ``h``: as ``d`` with a weight norm logged after each step the way users write one (autograd on, no
+  ``detach``): the next step's backward never reaches it, so the updates still overlap the backward (not
+  run unless named).
 
 A step's time is the time from one ``on_train_batch_start`` to the next, so it includes block
 updates that megatrain finishes after ``on_train_batch_end``; the first ``--warmup`` steps are
@@ -67,6 +70,7 @@ class Case:
     activation_checkpointing: bool = False
     zero_copy: bool = True
     disk: bool = False
+    weight_norm_logged: bool = False
 
 
 CASES = {
@@ -77,6 +81,7 @@ CASES = {
     "e": Case("e", "megatrain, budget 2 blocks, slots", "2blocks", zero_copy=False),
     "f": Case("f", "megatrain disk tier, budget 1.1 x model", "model", True, disk=True),
     "g": Case("g", "megatrain disk tier, budget 2 blocks", "2blocks", True, disk=True),
+    "h": Case("h", "as d, a weight norm logged", "2blocks", True, weight_norm_logged=True),
 }
 
 
@@ -148,6 +153,15 @@ class BenchModule(L.LightningModule):
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """A forward pass that keeps only the last position's logits (little compute besides the blocks)."""
         return self.model(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=1).logits.argmax(-1)
+
+
+class WeightNormLogger(Callback):
+    """The norm of all weights, logged after each step as users write it (autograd on, no ``detach``)."""
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        pl_module.log("weight_norm", torch.stack([p.norm() for p in pl_module.parameters()]).norm())
 
 
 class StepTimer(Callback):
@@ -267,12 +281,17 @@ def fit(
     accelerator: str = "cpu",
     precision: str = "32-true",
     lr: float = 1e-4,
+    callbacks: Sequence[Callback] = (),
 ) -> tuple[L.Trainer, StepTimer]:
-    """Train ``model`` itself (not a copy) one step per batch under ``strategy``; return trainer and timer."""
+    """Train ``model`` itself (not a copy) one step per batch under ``strategy``, with ``callbacks`` besides
+    the timer; return trainer and timer."""
     free_earlier_runs()
     timer = StepTimer(sync_cuda=accelerator == "cuda")
     trainer = L.Trainer(
-        strategy=strategy, max_steps=len(batches), callbacks=[timer], **trainer_kwargs(accelerator, precision)
+        strategy=strategy,
+        max_steps=len(batches),
+        callbacks=[timer, *callbacks],
+        **trainer_kwargs(accelerator, precision),
     )
     trainer.fit(BenchModule(model, lr), train_dataloaders=DataLoader(list(batches), batch_size=None))
     return trainer, timer
@@ -303,7 +322,8 @@ def run_case(
 ) -> None:
     """Train a deep copy of ``model`` on ``batches`` under ``result.case``; add the steps after ``warmup``."""
     strategy = make_strategy(result.case, model)
-    trainer, timer = fit(copy.deepcopy(model), batches, strategy, accelerator, precision)
+    callbacks = [WeightNormLogger()] if result.case.weight_norm_logged else []
+    trainer, timer = fit(copy.deepcopy(model), batches, strategy, accelerator, precision, callbacks=callbacks)
     timed = range(warmup, len(batches) - 1)
     result.step_s += [timer.starts[i + 1] - timer.starts[i] for i in timed]
     result.cpu_s += [timer.cpu_starts[i + 1] - timer.cpu_starts[i] for i in timed]

@@ -19,8 +19,9 @@ from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from megatrain_lightning import MegaTrainStrategy
+from megatrain_lightning import CPUAdamW, MegaTrainStrategy
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
+from megatrain_lightning.store.memory import pages
 
 
 class GradModeLayer(nn.Module):
@@ -319,11 +320,65 @@ def test_weights_used_outside_their_layers_train_as_in_plain_pytorch(tier, tmp_p
     expected = torch.zeros(weight.shape)
     expected[3] = 2.0
     assert torch.equal(weight.grad, expected)
-    del plain, paged, weight
+    del plain, paged, weight, strategy
     gc.collect()
-    # Nothing of this keeps a model's store alive (but where the module holds a penalty's graph, whose
-    # autograd nodes hold the placeholders: a cycle through C++ that the garbage collector cannot see).
+    # Nothing of this keeps a model's store alive. Where the module holds a penalty's graph, autograd's nodes
+    # (C++) hold its placeholders, which the first collection takes for roots: the second frees it.
     assert [stored() is None for stored in stores] == [True, True, True, True, False]
+    gc.collect()
+    assert all(stored() is None for stored in stores)
+
+
+class WeightNormLogged(L.Callback):
+    """A weight norm logged after each step as users write one: autograd on (Lightning's training loop), no
+    `detach`; the step's backward never reaches it."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("weight_norm", torch.stack([p.norm() for p in pl_module.parameters()]).norm())
+
+
+class HeadPenaltyLM(UserLM):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 1e-2 * self.model.lm_head.weight.pow(2).sum()
+
+
+@pytest.mark.parametrize(
+    "module_cls, callbacks, held_back",
+    [(UserLM, [WeightNormLogged], set()), (HeadPenaltyLM, [], {"model.lm_head"})],
+    ids=["weight-norm-logged", "head-penalty"],
+)
+def test_only_a_use_the_backward_reaches_holds_its_blocks_update_back(
+    module_cls, callbacks, held_back, monkeypatch
+):
+    """A weight used outside its layer holds its block's update back to the step's end only where the
+    step's backward brings it a gradient (an L2 penalty on the head): a norm logged after the last step
+    leaves every update in the backward, overlapping it. Bitwise plain Lightning, the logged norm too."""
+    submitted: list[tuple[int, bool]] = []  # (block, submitted while the closure still ran)
+    submit = CPUAdamW._submit
+
+    def spy(self, block):
+        submitted.append((block, self._in_step))
+        submit(self, block)
+
+    model, steps = tiny_model("llama"), 4
+    plain = user_fit(model, "auto", steps, module_cls=module_cls, callbacks=[c() for c in callbacks])
+    monkeypatch.setattr(CPUAdamW, "_submit", spy)
+    paged = user_fit(
+        model, MegaTrainStrategy(), steps, module_cls=module_cls, callbacks=[c() for c in callbacks]
+    )
+    assert_same_training(plain, paged)
+    assert paged.trainer.callback_metrics.keys() == plain.trainer.callback_metrics.keys()
+    for key, value in plain.trainer.callback_metrics.items():
+        assert torch.equal(paged.trainer.callback_metrics[key], value), key
+    engine = paged.trainer.strategy.engine
+    assert sorted(submitted) == sorted(
+        (b.index, b.name not in held_back) for b in engine.blocks for _ in range(steps)
+    )
+    # The gradient sums held: a buffer per block size serves the blocks updated in the backward (as without
+    # the use), a block held back keeps its own (deferring all, the norm's run held the whole model's).
+    sizes = {pages(4 * b.numel) for b in engine.blocks}
+    held = sum(pages(4 * b.numel) for b in engine.blocks if b.name in held_back)
+    assert engine.store.nbytes("grad", "grad_pass") <= sum(sizes) + held
 
 
 class PeekingLayer(GradModeLayer):

@@ -5,10 +5,12 @@ training loop of the user's after ``fit`` that does the same.
 Such an op computes on a copy read from the store (:mod:`.placeholders`), and autograd sums the weight's
 gradient in the placeholder itself, as in a plain parameter. That sum joins the block's as one more
 contribution of the pass (added as plain autograd adds a leaf's contributions: bitwise where there is one
-such sum beside one use of the block), and leaves the device at once. The block's own contributions are
-held as the pass's sum instead of being final at its last use, until the backward ends. So the block's
-update runs once the backward is over (in the optimizer's ``step``, after its closure), and the op's
-backward, which reads the weights again, reads the weights its forward read.
+such sum beside one use of the block), and leaves the device at once. Where the backward running at the
+block's last use will reach such a placeholder too, the block's own contributions are held as the pass's
+sum instead of being final, until the backward ends. So the block's update runs once the backward is over
+(in the optimizer's ``step``, after its closure), and the op's backward, which reads the weights again,
+reads the weights its forward read. A use this backward does not reach (a weight norm a callback logged
+after the last step) holds nothing back: the update overlaps the backward as without it.
 
 Inside a block's call such a read is part of the block's graph, whose gradients megatrain takes for the
 block's own weights only: the engine refuses it (:meth:`Engine.note_outside_use`). Under data parallel
@@ -37,23 +39,30 @@ TOO_LATE = (
 
 
 class OutsideUses:
-    """The blocks whose weights were used outside them since the last backward ended, and the way of the
-    gradients autograd sums for them into the block's sums."""
+    """The placeholders used outside their blocks since the last backward ended, and the way of the
+    gradients autograd sums in them into the block's sums."""
 
     def __init__(self, grads: HostGrads, data_parallel: bool) -> None:
         self.grads = grads
         self.data_parallel = data_parallel
-        self.blocks: set[int] = set()  # their gradients are not final before the backward ends
+        self.used: dict[int, dict[int, Tensor]] = {}  # block -> index -> placeholder
         self._end_queued = False
 
     def begin_pass(self) -> None:
         self._end_queued = False  # a backward that failed never reached its end
 
-    def note(self, block: int) -> None:
-        """A use of ``block``'s weights outside it, autograd on: its gradient is final at the backward's end.
-        Under data parallel nothing waits: a read alone is fine, a gradient an error (:meth:`arrived`)."""
+    def note(self, placeholder: Tensor) -> None:
+        """A use of ``placeholder`` outside its block, autograd on. Under data parallel nothing waits: a read
+        alone is fine, a gradient an error (:meth:`arrived`)."""
         if not self.data_parallel:
-            self.blocks.add(block)
+            self.used.setdefault(placeholder._block, {})[placeholder._index] = placeholder
+
+    def awaited(self, block: int) -> bool:
+        """Whether the backward running now will bring ``block`` a gradient from a use outside it, so that its
+        sum is final only when the backward ends. Asked at each of the block's backwards while there were
+        uses: it queues that end."""
+        self.end_with_backward()
+        return any(_reached_by_this_backward(p) for p in self.used.get(block, {}).values())
 
     def arrived(self, placeholder: Tensor, updating: bool) -> None:
         """Autograd summed this backward's gradient of ``placeholder`` (its post-accumulate hook): it joins
@@ -77,5 +86,11 @@ class OutsideUses:
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
-        self.blocks.clear()
+        self.used.clear()
         self.grads.flush()  # every sum of this pass added to the block's: the backward is over
+
+
+def _reached_by_this_backward(placeholder: Tensor) -> bool:
+    """Whether the backward running now accumulates a gradient in ``placeholder``: its gradient accumulator
+    (autograd's, shared by every graph that holds it) is a node this backward executes."""
+    return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(placeholder).node)

@@ -358,17 +358,17 @@ class Engine:
         if changed:
             self.forward_changes.keep(site, changed)
 
-    def note_outside_use(self, name: str, block: int, func: Any) -> None:
-        """Parameter ``name`` of ``block`` used outside its block's calls with autograd on (see
-        :mod:`.outside_uses`); refused inside another block's call, whose gradients are its own weights'."""
+    def note_outside_use(self, placeholder: Tensor, func: Any) -> None:
+        """``placeholder`` used outside its block's calls with autograd on (see :mod:`.outside_uses`);
+        refused inside another block's call, whose gradients are its own weights'."""
         if self._block_calls:
             raise RuntimeError(
-                f"megatrain: `{name}` was read inside the call of a layer that does not own it ({func}), "
-                "with autograd on; megatrain takes a layer's gradients for its own weights only, so this "
-                "one's would be lost. Name the module that reads it in "
+                f"megatrain: `{placeholder._name}` was read inside the call of a layer that does not own "
+                f"it ({func}), with autograd on; megatrain takes a layer's gradients for its own weights "
+                "only, so this one's would be lost. Name the module that reads it in "
                 "`MegaTrainStrategy(block_classes=...)`, so that both are one block."
             )
-        self.outside_uses.note(block)
+        self.outside_uses.note(placeholder)
 
     def outside_grad_arrived(self, placeholder: Tensor) -> None:
         """Autograd summed a gradient in ``placeholder``, used outside its block (:mod:`.outside_uses`)."""
@@ -379,11 +379,11 @@ class Engine:
         self, site: CallSite, leaves: dict[int, Tensor], grads: list[Tensor | None], last_use: bool
     ) -> None:
         """Send a call's parameter gradients to the host; at the block's last use, signal the optimizer
-        (unless the block's weights were used outside it too: its gradient is final at the backward's end)."""
+        (unless this backward brings the block a gradient from a use of its weights outside it too: the
+        block's gradient is final at the backward's end)."""
         block = site.block
-        if self.outside_uses.blocks:  # weights used outside their blocks: final when this backward ends
-            self.outside_uses.end_with_backward()
-            last_use = last_use and block.index not in self.outside_uses.blocks
+        if last_use and self.outside_uses.used:  # weights used outside their blocks
+            last_use = not self.outside_uses.awaited(block.index)
         if self.optimizer is not None and self.optimizer.updates.submitted(block.index):
             raise RuntimeError(
                 f"megatrain: block {block.index} got gradients after its update began: a second backward "

@@ -134,7 +134,7 @@ class StoredWeights:
         # A detached copy made a leaf by user code (`p.detach().requires_grad_()`) keeps its gradient itself.
         if engine is None or placeholder is not self.placeholders[block][index]:
             return
-        engine.note_outside_use(placeholder._name, block, func)
+        engine.note_outside_use(placeholder, func)
         if (block, index) not in self._outside_hooks:
             hook = _OutsideGradHook(weakref.ref(self))
             self._outside_hooks[block, index] = placeholder.register_post_accumulate_grad_hook(hook)
