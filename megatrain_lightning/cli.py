@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -196,8 +197,13 @@ def plan_parser() -> argparse.ArgumentParser:
         default="cuda",
         help="the compute device: a GPU, or the CPU alone (no GPU: activations and slots take the RAM)",
     )
-    add("--vram", type=size, default=None, help="GPU memory, GB (required unless --device cpu)")
-    add("--ram", type=size, required=True, help="host memory, GB")
+    add(
+        "--vram",
+        type=size,
+        default=None,
+        help="GPU memory, GB (default: this machine's GPU's free memory; none with --device cpu)",
+    )
+    add("--ram", type=size, default=None, help="host memory, GB (default: this machine's available RAM)")
     add("--disk", type=size, default=0.0, help="free space for the disk tier, GB (default: none)")
     add("--pcie-gbps", type=rate, default=25.0, help="host<->GPU bandwidth, GB/s")
     add("--disk-gbps", type=rate, default=6.0, help="disk bandwidth, GB/s")
@@ -237,6 +243,22 @@ def plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _this_machines_memory(vram: float | None, ram: float | None, cpu: bool) -> tuple[float, float]:
+    """GPU memory and RAM, GB: as given, or this machine's free GPU memory and available RAM (said so)."""
+    if (vram is not None or cpu) and ram is not None:
+        return vram or 0.0, ram
+    here = Machine.detect("cpu" if cpu else "cuda")
+    taken = []
+    if vram is None and not cpu:
+        vram = here.vram_gb
+        taken.append(f"--vram {vram:.1f}")
+    if ram is None:
+        ram = here.ram_gb
+        taken.append(f"--ram {ram:.1f}")
+    print(f"planning with this machine's free memory: {' '.join(taken)} (GB)")
+    return vram or 0.0, ram
+
+
 def plan_main(argv: list[str]) -> None:
     """``megatrain plan``: print the planner's table; a model it cannot read is a one-line usage error."""
     parser = plan_parser()
@@ -244,11 +266,12 @@ def plan_main(argv: list[str]) -> None:
     cpu = a.device == "cpu"
     if cpu and a.vram is not None:
         parser.error("argument --vram: a CPU-only run (--device cpu) has no GPU memory; its memory is --ram")
-    if not cpu and a.vram is None:
-        parser.error("the following arguments are required: --vram (or --device cpu)")
+    if not cpu and a.vram is None and not torch.cuda.is_available():
+        parser.error("the following arguments are required: --vram (this machine has no GPU) or --device cpu")
+    vram, ram = _this_machines_memory(a.vram, a.ram, cpu)
     tflops = a.tflops or (1.0 if cpu else 400.0)
     speeds = (a.pcie_gbps, a.disk_gbps, tflops, a.update_gparams)
-    machine = Machine(a.vram or 0.0, a.ram, a.disk, *speeds, a.ranks, a.nodes, a.network_gbps, cpu)
+    machine = Machine(vram, ram, a.disk, *speeds, a.ranks, a.nodes, a.network_gbps, cpu)
     dtype = a.compute_dtype or ("fp32" if cpu else "bf16")
     workload = Workload(a.tokens_per_step, a.micro_batch_tokens, dtype, not a.no_activation_checkpointing)
     try:

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
 from megatrain_lightning import MegaTrainStrategy
@@ -228,6 +229,22 @@ def test_plan_refuses_negative_sizes_as_usage_errors(capsys, flag, value, messag
         main(argv)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"megatrain plan: error: argument {flag}: {message}"
+
+
+def test_plan_takes_what_is_not_given_from_this_machine_and_says_so(capsys, monkeypatch):
+    class Memory:
+        available = 31.5e9
+
+    monkeypatch.setattr("psutil.virtual_memory", lambda: Memory)
+    main(["plan", "--model", "tiny_llama", "--device", "cpu"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "planning with this machine's free memory: --ram 31.5 (GB)"
+    assert out[2].startswith("machine: CPU only: 31.5 GB RAM")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", "7b", "--ram", "64"])
+    assert exit_.value.code == 2
+    assert "required: --vram (this machine has no GPU) or --device cpu" in capsys.readouterr().err
 
 
 def test_plan_of_a_file_that_is_not_a_config_names_it(capsys):
