@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
@@ -64,6 +65,24 @@ _UNSUPPORTED = {
     "push_to_hub": "not supported",
     "resume_from_checkpoint": "pass it to Trainer.train(resume_from_checkpoint=...)",
     "label_names": "batches must hold `labels` (or none: the inputs are the labels)",
+}
+
+
+# TrainingArguments.optim values that run AdamW's math (fp32 state, or the low-bit state megatrain's
+# `optimizer_compression` gives); any other optimizer is refused, as `configure_optimizers` returning one is.
+_ADAMW = (
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_torch_xla",
+    "adamw_torch_npu_fused",
+    "adamw_anyprecision",
+)
+_LOW_BIT_ADAMW = {
+    "adamw_torch_8bit": "int8",
+    "adamw_bnb_8bit": "int8",
+    "adamw_8bit": "int8",
+    "paged_adamw_8bit": "int8",
+    "adamw_torch_4bit": "int4",
 }
 
 
@@ -363,6 +382,25 @@ def _strategy(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
+def _check_optimizer(optim: str) -> None:
+    """AdamW runs as asked; AdamW with low-bit state asked here says where megatrain's is set; another
+    optimizer would train other math: refused."""
+    compression = _LOW_BIT_ADAMW.get(optim)
+    if compression is not None and _STRATEGY_OPTIONS.get("optimizer_compression", "none") in ("none", False):
+        warnings.warn(
+            f"TrainingArguments.optim={optim!r} asks for AdamW with {compression} state; megatrain's "
+            f"optimizer state is set by `mt.init(optimizer_compression={compression!r})`, and is fp32 now.",
+            UnsupportedArgumentWarning,
+            stacklevel=4,
+        )
+    elif compression is None and optim not in _ADAMW:
+        raise MisconfigurationException(
+            f"mt.Trainer: TrainingArguments.optim={optim!r} is not AdamW; megatrain runs AdamW on the CPU "
+            "(its update overlaps the backward). Use optim='adamw_torch' (the default), or train with "
+            "Hugging Face's Trainer."
+        )
+
+
 def _warn_unsupported(args: TrainingArguments) -> None:
     for name, instead in _UNSUPPORTED.items():
         value = getattr(args, name, None)
@@ -372,13 +410,7 @@ def _warn_unsupported(args: TrainingArguments) -> None:
                 UnsupportedArgumentWarning,
                 stacklevel=3,
             )
-    optim = _strategy(args.optim)
-    if not optim.startswith("adamw"):
-        warnings.warn(
-            f"mt.Trainer ignores TrainingArguments.optim={optim!r}: megatrain always runs AdamW on the CPU.",
-            UnsupportedArgumentWarning,
-            stacklevel=3,
-        )
+    _check_optimizer(_strategy(args.optim))
     reporters = [r for r in (args.report_to or []) if r not in ("none", "all")]
     if reporters:
         warnings.warn(

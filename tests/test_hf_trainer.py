@@ -118,7 +118,7 @@ def test_unsupported_arguments_warn_once_each(tmp_path):
         fp16=True,
         torch_compile=True,
         label_smoothing_factor=0.1,
-        optim="sgd",
+        optim="adamw_8bit",
         report_to=["tensorboard"],
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -129,6 +129,25 @@ def test_unsupported_arguments_warn_once_each(tmp_path):
         assert sum(f"TrainingArguments.{name}=" in m for m in messages) == 1, (name, messages)
     assert sum("compute_metrics" in m for m in messages) == 1
     assert len(messages) == 6, messages
+
+
+def test_an_optimizer_other_than_adamw_is_refused_and_low_bit_adamw_names_megatrains_option(tmp_path):
+    with pytest.raises(MisconfigurationException, match="optim='sgd' is not AdamW.*optim='adamw_torch'"):
+        mt.Trainer(
+            model=tiny_model("llama"), args=TrainingArguments(str(tmp_path), use_cpu=True, optim="sgd")
+        )
+    args = TrainingArguments(str(tmp_path), use_cpu=True, optim="adamw_torch_4bit")
+    with pytest.warns(
+        mt.UnsupportedArgumentWarning, match=r"optimizer_compression='int4'\)`, and is fp32 now"
+    ):
+        mt.Trainer(model=tiny_model("llama"), args=args)
+    mt.init(max_vram_gb=0.01, optimizer_compression="int4")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mt.Trainer(model=tiny_model("llama"), args=args)  # megatrain's int4 state: as asked
+    finally:
+        mt.init()
 
 
 def test_init_checks_options_at_once():
