@@ -381,6 +381,22 @@ def test_only_a_use_the_backward_reaches_holds_its_blocks_update_back(
     assert engine.store.nbytes("grad", "grad_pass") <= sum(sizes) + held
 
 
+class FreezeHeadAtBatch2(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 2:
+            pl_module.model.lm_head.weight.requires_grad_(False)
+
+
+def test_a_weight_frozen_after_a_callback_read_it_trains_as_plain():
+    """The norm's read made the head a weight used outside its layer; frozen since, no gradient comes."""
+    model = tiny_model("llama")
+    plain, paged = (
+        user_fit(model, strategy, 4, callbacks=[WeightNormLogged(), FreezeHeadAtBatch2()])
+        for strategy in ("auto", MegaTrainStrategy())
+    )
+    assert_same_training(plain, paged)
+
+
 class PeekingLayer(GradModeLayer):
     """A layer that computes with another layer's weight, which megatrain puts in another block."""
 

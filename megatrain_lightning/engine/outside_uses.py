@@ -92,5 +92,8 @@ class OutsideUses:
 
 def _reached_by_this_backward(placeholder: Tensor) -> bool:
     """Whether the backward running now accumulates a gradient in ``placeholder``: its gradient accumulator
-    (autograd's, shared by every graph that holds it) is a node this backward executes."""
+    (autograd's, shared by every graph that holds it) is a node this backward executes. A placeholder frozen
+    since its use has none."""
+    if not placeholder.requires_grad:
+        return False
     return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(placeholder).node)
