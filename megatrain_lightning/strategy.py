@@ -221,6 +221,8 @@ class MegaTrainStrategy(RankedStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             where = self.engine.store.describe()
+            if self.precision_plugin.precision == "bf16-true":  # the default strategy steps bf16 weights
+                where += "; the blocks compute in bf16 from them (bf16-true) and AdamW steps the fp32 weights"
             rank_zero_info(f"megatrain: the model's fp32 weights and optimizer state are {where}")
             self.setup_optimizers(trainer)
         if (fitting and self.optimizer_compression != "none") or self.engine.store.has_shadow:

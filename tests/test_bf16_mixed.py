@@ -9,7 +9,8 @@ import functools
 
 import pytest
 import torch
-from conftest import UserLM, assert_same_training, fit_module, tiny_model, user_fit
+import torch.nn.functional as F
+from conftest import UserLM, assert_same_training, fit_module, tiny_model, token_batches, user_fit
 from zoo import CACHE_CHANGES_ROUNDING, tiny_zoo_model, without_cache
 
 from megatrain_lightning import MegaTrainStrategy
@@ -151,3 +152,60 @@ def test_a_block_input_read_by_several_matmuls_sums_their_gradients_in_fp32():
     model = tiny_zoo_model("olmo2")
     plain = user_fit(model, "auto", steps=2, precision="bf16-mixed")
     assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=2, precision="bf16-mixed"), 0, 0)
+
+
+class OutsideAutocastLM(UserLM):
+    """User code that calls the model outside autocast under ``bf16-mixed``: an fp32 head for the loss
+    (``autocast(enabled=False)``) and greedy generation at each epoch's end (Lightning runs its hooks
+    outside autocast). The default strategy computes both in fp32 on its fp32 weights."""
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.model.base_model(input_ids=batch).last_hidden_state
+        with torch.autocast("cpu", enabled=False):
+            logits = self.model.get_output_embeddings()(hidden.float())
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+
+    def on_train_epoch_end(self) -> None:
+        prompt = torch.tensor([[1, 2, 3, 4]])
+        self.generated = self.model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
+
+
+def test_calls_outside_autocast_compute_in_fp32_as_lightnings(model):
+    """Before, the slots' bf16 weights met fp32 inputs there: a dtype error in the head, in `generate`, and
+    in a forward after `fit`. Now bitwise the default strategy's, the head's gradient included."""
+    plain = user_fit(model, "auto", steps=STEPS, module_cls=OutsideAutocastLM, **MIXED)
+    with pytest.warns(UserWarning, match="outside autocast.*computes in fp32"):
+        paged = user_fit(model, MegaTrainStrategy(), steps=STEPS, module_cls=OutsideAutocastLM, **MIXED)
+    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert torch.equal(paged.module.generated, plain.module.generated)
+    prompt = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():  # after `fit`, the trainer kept
+        assert torch.equal(
+            paged.module.model(input_ids=prompt).logits, plain.module.model(input_ids=prompt).logits
+        )
+
+
+def test_bf16_true_computes_in_bf16_from_fp32_master_weights(arch):
+    """Not Lightning's ``bf16-true``, which steps bf16 weights with AdamW in bf16: the recipe of training with
+    master weights, bitwise (each step a bf16 copy of the fp32 masters computes; its gradients, widened,
+    step the masters by an fp32 AdamW). ``state_dict`` holds the fp32 masters. (A tied weight's uses are
+    summed in fp32, where the bf16 copy sums them in bf16: within a rounding, so untied here.)"""
+    model = tiny_model(arch, tie_word_embeddings=False)
+    paged = user_fit(model, MegaTrainStrategy(), steps=STEPS, precision="bf16-true")
+    master = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=UserLM(master).lr)
+    losses = []
+    for batch in token_batches(STEPS):
+        compute = copy.deepcopy(master).to(torch.bfloat16)
+        loss = compute(input_ids=batch, labels=batch).loss
+        loss.backward()
+        losses.append(float(loss))
+        for weight, bf16 in zip(master.parameters(), compute.parameters(), strict=True):
+            weight.grad = bf16.grad.float()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert paged.losses == losses
+    trained, expected = paged.module.model.state_dict(), master.state_dict()
+    assert all(trained[k].dtype == torch.float32 and torch.equal(trained[k], expected[k]) for k in expected)

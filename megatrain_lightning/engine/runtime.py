@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -306,6 +307,23 @@ class Engine:
                 ((block, self._access_kinds(backward, True)) for block, backward in next_pass),
             )
         )
+
+    def pages_calls_now(self) -> bool:
+        """Whether a block's call now runs paged. Not under ``bf16-mixed`` outside autocast (a hook of the
+        user's, ``generate`` after ``fit``, an fp32 head under ``autocast(enabled=False)``): the default
+        strategy computes there in fp32 on its fp32 weights, which the slots do not hold; the placeholders
+        read the fp32 masters from the store instead, op by op (slower: warned)."""
+        if not self.config.mixed_precision or torch.is_autocast_enabled(self.config.device.type):
+            return True
+        # Python's default warning filter shows it once per process.
+        warnings.warn(
+            "megatrain: under `bf16-mixed` a call of the model outside autocast (a hook of yours, `generate` "
+            "after `fit`, `autocast(enabled=False)`) computes in fp32, as under the default strategy, on the "
+            "fp32 weights read from megatrain's store op by op: slower than a paged call. Wrap it in "
+            f"`torch.autocast({self.config.device.type!r}, dtype=torch.bfloat16)` to compute in bf16.",
+            stacklevel=4,
+        )
+        return False
 
     def paged_forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
         """One call of ``site``: with its block resident and bound when nothing needs gradients (evaluation),

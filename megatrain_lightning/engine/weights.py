@@ -157,10 +157,10 @@ class StoredWeights:
     # -- the module's forward and state-dict hooks (see megatrain_lightning.engine.hooks) --
 
     def forward(self, site: CallSite, forward: Callable, *args: Any, **kwargs: Any) -> Any:
-        """A call site's call: paged by the engine, or without one plainly, the placeholders reading
-        their values from the store."""
+        """A call site's call: paged by the engine, or plainly, the placeholders reading their values from
+        the store, without one or where the engine's slots do not hold what the call computes with."""
         engine = self.engine
-        if engine is None:
+        if engine is None or not engine.pages_calls_now():
             return forward(*args, **kwargs)
         return engine.paged_forward(site, forward, *args, **kwargs)
 
