@@ -255,6 +255,20 @@ CASES = [
         lambda t, f: lambda: _fit(t, module=_with(lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True))),
     ),
     Case(
+        "AdamW(capturable=True)",
+        "does not support `capturable=True` (the update runs on the CPU, outside CUDA graphs)",
+        lambda t, f: (
+            lambda: _fit(t, module=_with(lambda m: torch.optim.AdamW(m.parameters(), capturable=True)))
+        ),
+    ),
+    Case(
+        "Adam(differentiable=True)",
+        "does not support `differentiable=True`",
+        lambda t, f: (
+            lambda: _fit(t, module=_with(lambda m: torch.optim.Adam(m.parameters(), differentiable=True)))
+        ),
+    ),
+    Case(
         "two optimizers (manual optimization)",
         "supports one optimizer",
         lambda t, f: lambda: _fit(t, module=_two()),

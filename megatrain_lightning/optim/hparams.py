@@ -11,9 +11,11 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class GroupHparams:
-    lr: float
-    beta1: float
-    beta2: float
+    # A tensor ``lr`` or beta stays one (a copy): torch's AdamW then computes its step size and bias
+    # corrections in fp32, and the fp32 moments' update, torch's own, does the same.
+    lr: float | Tensor
+    beta1: float | Tensor
+    beta2: float | Tensor
     eps: float
     weight_decay: float
     maximize: bool
@@ -24,15 +26,20 @@ class GroupHparams:
     def of(cls, group: dict[str, Any]) -> GroupHparams:
         beta1, beta2 = group["betas"]
         return cls(
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
+            lr=_frozen(group["lr"]),
+            beta1=_frozen(beta1),
+            beta2=_frozen(beta2),
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
             maximize=bool(group.get("maximize", False)),
             foreach=group.get("foreach"),
             fused=group.get("fused"),
         )
+
+
+def _frozen(value: float | Tensor) -> float | Tensor:
+    """The value now: a scheduler may change a tensor ``lr`` in place while updates still run."""
+    return value.detach().clone() if isinstance(value, Tensor) else float(value)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ from torch.optim import Optimizer
 from megatrain_lightning.optim.adamw import CPUAdamW
 
 _SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+_UNSUPPORTED_FLAGS = {
+    "amsgrad": "not implemented",
+    "capturable": "the update runs on the CPU, outside CUDA graphs",
+    "differentiable": "the update runs outside autograd, on the store's buffers",
+}
 
 
 def cpu_adamw_from(optimizer: Optimizer, cls: type[CPUAdamW] = CPUAdamW, **kwargs: Any) -> CPUAdamW:
@@ -29,10 +34,11 @@ def cpu_adamw_from(optimizer: Optimizer, cls: type[CPUAdamW] = CPUAdamW, **kwarg
             f"`torch.optim.Adam`; `configure_optimizers` returned {type(optimizer).__name__}. "
             "Return one of those instead."
         )
-    if any(group.get("amsgrad") for group in optimizer.param_groups):
-        raise MisconfigurationException(
-            "megatrain's CPU AdamW does not support `amsgrad=True`; set it to False."
-        )
+    for flag, why in _UNSUPPORTED_FLAGS.items():
+        if any(group.get(flag) for group in optimizer.param_groups):
+            raise MisconfigurationException(
+                f"megatrain's CPU AdamW does not support `{flag}=True` ({why}); set it to False."
+            )
     decoupled = type(optimizer) is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
     return _named_like(cls, type(optimizer).__name__)(
         optimizer.param_groups, decoupled_weight_decay=decoupled, **kwargs
