@@ -122,6 +122,20 @@ def test_tensor_learning_rate_and_betas_train_bitwise_as_torchs(model):
     assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
 
 
+def test_the_optimizers_state_dict_is_the_default_strategys_and_its_state_is_in_the_store(model):
+    """``optimizer.state_dict()`` after ``fit`` holds the moments and steps, equal to torch's; the
+    ``optimizer.state`` mapping is empty (the moments live in megatrain's store)."""
+    plain, paged = (user_fit(model, s, steps=STEPS) for s in ("auto", MegaTrainStrategy()))
+    (optimizer,), (reference,) = paged.trainer.optimizers, plain.trainer.optimizers
+    assert len(optimizer.state) == 0 and len(reference.state) > 0
+    got, expected = optimizer.state_dict(), reference.state_dict()
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        assert state.keys() == got["state"][index].keys()
+        assert all(torch.equal(got["state"][index][k], v) for k, v in state.items()), index
+
+
 class KeepsItsOptimizer(UserLM):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         self.user_optimizer = super().configure_optimizers()
