@@ -261,7 +261,9 @@ class MegaTrainStrategy(RankedStrategy):
         assert engine is not None
         if len(self.optimizers) != 1:
             raise MisconfigurationException(
-                f"megatrain supports one optimizer; `configure_optimizers` returned {len(self.optimizers)}."
+                f"megatrain supports one optimizer; `configure_optimizers` returned {len(self.optimizers)}. "
+                "Return one AdamW with a param group for each (its own lr, betas, weight decay); in manual "
+                "optimization step it once where you stepped them."
             )
         module = self.lightning_module
         locate = {}

@@ -270,7 +270,7 @@ CASES = [
     ),
     Case(
         "two optimizers (manual optimization)",
-        "supports one optimizer",
+        "supports one optimizer; `configure_optimizers` returned 2. Return one AdamW with a param group for each",
         lambda t, f: lambda: _fit(t, module=_two()),
     ),
     Case(
