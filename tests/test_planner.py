@@ -418,10 +418,7 @@ def test_plan_device_cpu_prints_one_memory(capsys):
     assert "GPU GB" not in rows["megatrain none"] and "ZeRO-Offload" not in rows
     assert float(rows["megatrain none"]["host GB"]) == pytest.approx(124.1, abs=0.05)
     assert lines[-1].startswith("recommended: megatrain none with the store in host RAM, no slots")
-    for argv, message in (
-        (["--device", "cpu", "--vram", "8"], "argument --vram: a CPU-only run (--device cpu) has no GPU"),
-        ([], "the following arguments are required: --vram (or --device cpu)"),
-    ):
-        with pytest.raises(SystemExit) as exit_:
-            main(["plan", "--model", "7b", "--ram", "64", *argv])
-        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # --vram missing on a machine without a GPU: test_cli
+        main(["plan", "--model", "7b", "--ram", "64", "--device", "cpu", "--vram", "8"])
+    message = "argument --vram: a CPU-only run (--device cpu) has no GPU"
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
