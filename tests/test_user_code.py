@@ -17,6 +17,7 @@ from conftest import UserLM, assert_same_training, quiet_trainer, tiny_model, to
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from megatrain_lightning import CPUAdamW, MegaTrainStrategy
@@ -773,6 +774,79 @@ def test_a_block_gets_the_models_cache_unless_it_is_recomputed(checkpointing):
     user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1)
     assert plain == ["DynamicCache"] * len(model.model.layers)
     assert caches == (["NoneType"] * 2 * len(plain) if checkpointing else plain)
+
+
+class EvalForwardTrainBackwardLM(UserLM):
+    """A forward with gradients in ``eval()`` mode, ``train()`` set again before Lightning's backward."""
+
+    def training_step(self, batch, batch_idx):
+        self.model.eval()
+        loss = super().training_step(batch, batch_idx)
+        self.model.train()
+        return loss
+
+
+class MathAttentionLM(UserLM):
+    def training_step(self, batch, batch_idx):
+        with sdpa_kernel(SDPBackend.MATH):
+            return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    "module_cls, dropout",
+    [(EvalForwardTrainBackwardLM, 0.2), (MathAttentionLM, 0.0)],
+    ids=["eval-mode", "sdpa-math"],
+)
+def test_the_recompute_runs_in_the_modes_and_kernels_the_forward_ran_in(module_cls, dropout):
+    """Before, the recompute ran in the modes of the backward's time: dropout on (weights 1.2e-2 apart after
+    two steps), the default attention kernel (1.3e-5)."""
+    model = tiny_model("llama", attention_dropout=dropout)
+    plain, paged = (user_fit(model, s, 2, module_cls=module_cls) for s in ("auto", MegaTrainStrategy()))
+    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+
+
+class PromptThenContinuationLM(UserLM):
+    """Prefix sharing: the prompt encoded once with its cache, the continuation attends over it."""
+
+    grad_prompt = False
+
+    def training_step(self, batch, batch_idx):
+        with torch.set_grad_enabled(self.grad_prompt):
+            cache = self.model(input_ids=batch[:, :8], use_cache=True).past_key_values
+        logits = self.model(input_ids=batch[:, 8:], past_key_values=cache).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 9:].flatten())
+
+
+class GradPromptThenContinuationLM(PromptThenContinuationLM):
+    grad_prompt = True
+
+
+@pytest.mark.parametrize(
+    "module_cls, checkpointing, refusal",
+    [
+        (PromptThenContinuationLM, False, None),
+        (PromptThenContinuationLM, True, "a key/value cache holding 8 positions in a forward that computes"),
+        (
+            GradPromptThenContinuationLM,
+            False,
+            "whose keys and values an earlier forward computed with gradients",
+        ),
+    ],
+    ids=["no-grad-prompt", "no-grad-prompt-checkpointed", "grad-prompt"],
+)
+def test_a_continuation_attending_over_a_prompts_cache_trains_as_plain_or_is_refused(
+    module_cls, checkpointing, refusal
+):
+    """Without activation checkpointing a block that runs once attends over the cache: bitwise. A recomputed
+    block cannot (its second run would append again: the cache is dropped, which crashed inside attention);
+    keys computed with gradients by an earlier call would lose theirs (silently before)."""
+    model, strategy = tiny_model("llama"), MegaTrainStrategy(activation_checkpointing=checkpointing)
+    if refusal is None:
+        plain = user_fit(model, "auto", 2, module_cls=module_cls, seq_len=20)
+        assert_same_training(plain, user_fit(model, strategy, 2, module_cls=module_cls, seq_len=20), 0, 0)
+        return
+    with pytest.raises((RuntimeError, MisconfigurationException), match=refusal):
+        user_fit(model, strategy, 2, module_cls=module_cls, seq_len=20)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

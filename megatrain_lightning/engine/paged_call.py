@@ -24,6 +24,7 @@ from megatrain_lightning.engine.captures import Captures
 from megatrain_lightning.engine.recompute import (
     ESCAPED,
     ForwardState,
+    cache_length,
     discarding_saved_tensors,
     noting_changed_buffers,
 )
@@ -117,22 +118,33 @@ def reaches_another_block(outputs: list[Tensor], own: list[Tensor]) -> bool:
 
 
 def check_graph(
-    site: CallSite, outputs: list[Tensor], inputs: list[Tensor], leaves: dict[int, Tensor]
+    site: CallSite, call: Call, outputs: list[Tensor], inputs: list[Tensor], leaves: dict[int, Tensor]
 ) -> None:
     """Refuse a block that computes with another block's tensors (``reaches_another_block``), on the first
-    call that builds a graph: its gradients would be wrong, not slow."""
-    if site.graph_checked or not any(o.grad_fn is not None for o in outputs):
+    call that builds a graph, and on each call that attends over a filled key/value cache (an earlier
+    forward's positions): its gradients would be wrong, not slow."""
+    attends_cache = any(cache_length(value) for value in call.flat)
+    if (site.graph_checked and not attends_cache) or not any(o.grad_fn is not None for o in outputs):
         return
     site.graph_checked = True
-    if reaches_another_block(outputs, inputs + list(leaves.values())):
+    if not reaches_another_block(outputs, inputs + list(leaves.values())):
+        return
+    if attends_cache:
         raise MisconfigurationException(
-            f"megatrain: the block `{site.name}` computes with a tensor that another block made and that is "
-            "not one of its arguments (e.g. keys and values shared across layers through the cache: "
-            "`kv_source_layers`, `num_kv_shared_layers`). megatrain pages one block at a time and routes "
-            "gradients through block arguments and outputs only, so that tensor's gradient would be "
-            "lost. Train such a model with a config that shares no tensors across layers, or "
-            "without megatrain."
+            f"megatrain: the block `{site.name}` attends over a key/value cache whose keys and values an "
+            "earlier forward computed with gradients (a prompt encoded for its continuation). megatrain "
+            "routes gradients through block arguments and outputs only, so theirs would be lost. Encode the "
+            "prompt under `torch.no_grad()` (its keys then take no gradient), or give the whole sequence "
+            "to one forward."
         )
+    raise MisconfigurationException(
+        f"megatrain: the block `{site.name}` computes with a tensor that another block made and that is "
+        "not one of its arguments (e.g. keys and values shared across layers through the cache: "
+        "`kv_source_layers`, `num_kv_shared_layers`). megatrain pages one block at a time and routes "
+        "gradients through block arguments and outputs only, so that tensor's gradient would be "
+        "lost. Train such a model with a config that shares no tensors across layers, or "
+        "without megatrain."
+    )
 
 
 CHANGED_SINCE_FORWARD = (
@@ -164,7 +176,7 @@ class PagedCall(torch.autograd.Function):
         ctx.user_writes = engine.weights.user_writes[site.block.index]
         engine.backwards.forward(site.block.index)
         if engine.config.activation_checkpointing:
-            ctx.forward_state = ForwardState.capture(engine.config.device)
+            ctx.forward_state = ForwardState.capture(engine.config.device, site.module)
             with (
                 engine.resident(site, backward=False, grad=True) as (slot, leaves),
                 torch.enable_grad(),
@@ -205,7 +217,7 @@ class PagedCall(torch.autograd.Function):
                 ):
                     outputs = off_slot(call.run(inputs), slot)
             ctx.graph = (outputs, inputs, leaves)
-        check_graph(site, outputs, inputs, leaves)
+        check_graph(site, call, outputs, inputs, leaves)
         returned = tuple(o.detach() for o in outputs)
         ctx.mark_non_differentiable(*[o for o in returned if not o.is_floating_point()])
         ctx.set_materialize_grads(False)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
 
 # What Hugging Face layers call the cache they append to, by keyword or position.
 CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
@@ -52,13 +53,30 @@ def _scrubbed(name: str | None, value: Any, keep_cache: bool) -> Any:
     if keep_cache or value is None:
         return value
     if name in CACHE_ARGUMENTS or _is_cache(value):
+        if cache_length(value):
+            raise RuntimeError(CACHE_IN_TRAINING.format(length=cache_length(value)))
         return None
     return value
+
+
+CACHE_IN_TRAINING = (
+    "megatrain: a layer got a key/value cache holding {length} positions in a forward that computes "
+    "gradients (a prompt encoded before, attended to by a continuation). Under activation checkpointing "
+    "each layer runs again in backward, so megatrain drops caches in such forwards, as Hugging Face's "
+    "gradient checkpointing does (a cache such a forward returns is empty), and these positions would be "
+    "lost. Use `MegaTrainStrategy(activation_checkpointing=False)` to attend over a cache encoded under "
+    "`torch.no_grad()`, or give the whole sequence to one forward."
+)
 
 
 def _is_cache(value: Any) -> bool:
     cache_utils = sys.modules.get("transformers.cache_utils")  # only models that imported it pass caches
     return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+def cache_length(value: Any) -> int:
+    """The positions a Hugging Face cache holds (0 for anything else)."""
+    return value.get_seq_length() if _is_cache(value) else 0
 
 
 @functools.cache
@@ -85,21 +103,29 @@ BufferKey = tuple[torch.nn.Module, str]
 @dataclass(frozen=True)
 class ForwardState:
     """What a block's first run saw and its recompute must see again: the CPU and device RNG states and
-    the CPU and device autocast settings (``torch.utils.checkpoint`` keeps the same), and the buffers
-    the first run may have changed, as they were before it (filled by :func:`noting_changed_buffers`)."""
+    the CPU and device autocast settings (``torch.utils.checkpoint`` keeps the same), the modules'
+    train/eval modes (a forward in ``eval()`` whose backward comes after ``train()``), the attention
+    kernels allowed (``sdpa_kernel``), and the buffers the first run may have changed, as they were before
+    it (filled by :func:`noting_changed_buffers`)."""
 
     device: torch.device
     cpu_rng: Tensor
     device_rng: Tensor | None
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    modules: tuple[torch.nn.Module, ...]
+    training: tuple[bool, ...]
+    attention_kernels: list[SDPBackend]
     buffers: dict[BufferKey, Tensor] = field(default_factory=dict)
 
     @classmethod
-    def capture(cls, device: torch.device) -> ForwardState:
+    def capture(cls, device: torch.device, module: torch.nn.Module) -> ForwardState:
         device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         types = dict.fromkeys(("cpu", device.type))
         autocast = tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types)
-        return cls(device, torch.get_rng_state(), device_rng, autocast)
+        modules = tuple(module.modules())
+        training = tuple(m.training for m in modules)
+        kernels = _cur_sdpa_kernel_backends(with_priority=True)
+        return cls(device, torch.get_rng_state(), device_rng, autocast, modules, training, kernels)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
@@ -114,6 +140,8 @@ class ForwardState:
                 torch.cuda.set_rng_state(self.device_rng, self.device)
             for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            stack.enter_context(sdpa_kernel(self.attention_kernels, set_priority=True))
+            stack.enter_context(_in_modes(self.modules, self.training))
             copies: dict[int, Tensor] = {}  # one copy of a tensor that several modules hold
             for (module, name), before in self.buffers.items():
                 # A copy: a second backward starts from the same buffers again.
@@ -129,6 +157,22 @@ class ForwardState:
 
 
 _ABSENT = object()
+
+
+@contextlib.contextmanager
+def _in_modes(modules: tuple[torch.nn.Module, ...], training: tuple[bool, ...]) -> Iterator[None]:
+    """``modules`` in the train/eval modes ``training``, and afterwards in the modes they are in now."""
+    now = [m.training for m in modules]
+    if now == list(training):
+        yield
+        return
+    for m, mode in zip(modules, training, strict=True):
+        m.training = mode
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, now, strict=True):
+            m.training = mode
 
 
 @contextlib.contextmanager
