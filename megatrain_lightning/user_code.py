@@ -92,8 +92,9 @@ def _warn_narrow_weights(module: nn.Module) -> None:
     if narrow:
         rank_zero_warn(
             f"megatrain keeps fp32 master weights: the model's {', '.join(narrow)} "
-            "parameters are trained in fp32 (their values exactly, widened). For bf16 compute set the "
-            "Trainer's `precision` ('bf16-mixed' or 'bf16-true') instead of casting the model."
+            "parameters are held and computed with in fp32 (their values exactly, widened), frozen ones too "
+            "(a teacher cast to bf16 computes in fp32). For bf16 compute set the Trainer's `precision` "
+            "('bf16-mixed' or 'bf16-true') instead of casting the model."
         )
 
 
