@@ -76,6 +76,7 @@ _ADAMW = (
     "adamw_torch_xla",
     "adamw_torch_npu_fused",
     "adamw_anyprecision",
+    "paged_adamw_32bit",
 )
 _LOW_BIT_ADAMW = {
     "adamw_torch_8bit": "int8",

@@ -146,6 +146,8 @@ def test_an_optimizer_other_than_adamw_is_refused_and_low_bit_adamw_names_megatr
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             mt.Trainer(model=tiny_model("llama"), args=args)  # megatrain's int4 state: as asked
+            for adamw in ("adamw_torch_fused", "paged_adamw_32bit"):
+                mt.Trainer(model=tiny_model("llama"), args=TrainingArguments(str(tmp_path), optim=adamw))
     finally:
         mt.init()
 
