@@ -13,8 +13,9 @@ site per module that reaches its parameters (two for a tied embedding/head block
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
@@ -40,6 +41,7 @@ class CallSite:
     block: Block
     bindings: list[Binding]
     graph_checked: bool = False  # a call's graph was searched once for other blocks' tensors (paged_call)
+    caches: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # the key/value caches its calls got
 
     @property
     def param_indices(self) -> list[int]:

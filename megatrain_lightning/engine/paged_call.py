@@ -26,6 +26,7 @@ from megatrain_lightning.engine.recompute import (
     ForwardState,
     cache_length,
     discarding_saved_tensors,
+    is_cache,
     noting_changed_buffers,
 )
 from megatrain_lightning.telemetry.timeline import TIMELINE
@@ -121,15 +122,15 @@ def check_graph(
     site: CallSite, call: Call, outputs: list[Tensor], inputs: list[Tensor], leaves: dict[int, Tensor]
 ) -> None:
     """Refuse a block that computes with another block's tensors (``reaches_another_block``), on the first
-    call that builds a graph, and on each call that attends over a filled key/value cache (an earlier
-    forward's positions): its gradients would be wrong, not slow."""
-    attends_cache = any(cache_length(value) for value in call.flat)
-    if (site.graph_checked and not attends_cache) or not any(o.grad_fn is not None for o in outputs):
+    call that builds a graph, and on a call attending over a cache an earlier forward filled
+    (:func:`_continues_a_cache`): its gradients would be wrong, not slow."""
+    continues = _continues_a_cache(site, call)
+    if (site.graph_checked and not continues) or not any(o.grad_fn is not None for o in outputs):
         return
     site.graph_checked = True
     if not reaches_another_block(outputs, inputs + list(leaves.values())):
         return
-    if attends_cache:
+    if continues:
         raise MisconfigurationException(
             f"megatrain: the block `{site.name}` attends over a key/value cache whose keys and values an "
             "earlier forward computed with gradients (a prompt encoded for its continuation). megatrain "
@@ -145,6 +146,15 @@ def check_graph(
         "lost. Train such a model with a config that shares no tensors across layers, or "
         "without megatrain."
     )
+
+
+def _continues_a_cache(site: CallSite, call: Call) -> bool:
+    """Whether ``call`` attends over a key/value cache holding positions that ``site`` was given before: a
+    continuation's forward after its prompt's (a forward makes its cache anew, its layers append to it)."""
+    caches = [value for value in call.flat if is_cache(value)]
+    again = any(cache in site.caches and cache_length(cache) for cache in caches)
+    site.caches.update(caches)
+    return again
 
 
 CHANGED_SINCE_FORWARD = (

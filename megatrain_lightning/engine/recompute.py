@@ -52,7 +52,7 @@ def _scrubbed(name: str | None, value: Any, keep_cache: bool) -> Any:
         return False
     if keep_cache or value is None:
         return value
-    if name in CACHE_ARGUMENTS or _is_cache(value):
+    if name in CACHE_ARGUMENTS or is_cache(value):
         if cache_length(value):
             raise RuntimeError(CACHE_IN_TRAINING.format(length=cache_length(value)))
         return None
@@ -69,14 +69,14 @@ CACHE_IN_TRAINING = (
 )
 
 
-def _is_cache(value: Any) -> bool:
+def is_cache(value: Any) -> bool:
     cache_utils = sys.modules.get("transformers.cache_utils")  # only models that imported it pass caches
     return cache_utils is not None and isinstance(value, cache_utils.Cache)
 
 
 def cache_length(value: Any) -> int:
     """The positions a Hugging Face cache holds (0 for anything else)."""
-    return value.get_seq_length() if _is_cache(value) else 0
+    return value.get_seq_length() if is_cache(value) else 0
 
 
 @functools.cache
