@@ -245,17 +245,15 @@ def plan_parser() -> argparse.ArgumentParser:
 
 def _this_machines_memory(vram: float | None, ram: float | None, cpu: bool) -> tuple[float, float]:
     """GPU memory and RAM, GB: as given, or this machine's free GPU memory and available RAM (said so)."""
-    if (vram is not None or cpu) and ram is not None:
-        return vram or 0.0, ram
-    here = Machine.detect("cpu" if cpu else "cuda")
     taken = []
     if vram is None and not cpu:
-        vram = here.vram_gb
+        vram = Machine.detect("cuda").vram_gb
         taken.append(f"--vram {vram:.1f}")
     if ram is None:
-        ram = here.ram_gb
+        ram = Machine.detect("cpu").ram_gb
         taken.append(f"--ram {ram:.1f}")
-    print(f"planning with this machine's free memory: {' '.join(taken)} (GB)")
+    if taken:
+        print(f"planning with this machine's free memory: {' '.join(taken)} (GB)")
     return vram or 0.0, ram
 
 

@@ -75,6 +75,7 @@ _ADAMW = (
     "adamw_torch_fused",
     "adamw_torch_xla",
     "adamw_torch_npu_fused",
+    "adamw_apex_fused",  # transformers < 5
     "adamw_anyprecision",
     "paged_adamw_32bit",
 )

@@ -241,6 +241,10 @@ def test_plan_takes_what_is_not_given_from_this_machine_and_says_so(capsys, monk
     assert out[0] == "planning with this machine's free memory: --ram 31.5 (GB)"
     assert out[2].startswith("machine: CPU only: 31.5 GB RAM")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    main(["plan", "--model", "7b", "--vram", "80"])  # planning a GPU machine from one without: RAM only
+    assert (
+        capsys.readouterr().out.splitlines()[0] == "planning with this machine's free memory: --ram 31.5 (GB)"
+    )
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--model", "7b", "--ram", "64"])
     assert exit_.value.code == 2

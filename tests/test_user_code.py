@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from megatrain_lightning import CPUAdamW, MegaTrainStrategy
+from megatrain_lightning.engine.outside_uses import reached_by_this_backward
 from megatrain_lightning.engine.placeholders import ParamPlaceholder, weight_source_of
 from megatrain_lightning.store.memory import pages
 
@@ -380,6 +381,33 @@ def test_only_a_use_the_backward_reaches_holds_its_blocks_update_back(
     sizes = {pages(4 * b.numel) for b in engine.blocks}
     held = sum(pages(4 * b.numel) for b in engine.blocks if b.name in held_back)
     assert engine.store.nbytes("grad", "grad_pass") <= sum(sizes) + held
+
+
+def test_whether_a_backward_reaches_a_weight_is_answered_under_torch_autograd_grad_too():
+    """A block's last use asks autograd whether the running backward reaches a weight used outside the
+    block; `torch.autograd.grad` with respect to that weight refuses the question for leaves (torch's
+    internal error before): the block then waits for the backward's end, as when it is reached."""
+    weight, unused, x = (
+        nn.Parameter(torch.ones(3)),
+        nn.Parameter(torch.ones(3)),
+        torch.ones(3, requires_grad=True),
+    )
+    answers = []
+
+    class Asks(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            answers.extend(reached_by_this_backward(p) for p in (weight, unused))
+            return grad * 2
+
+    torch.autograd.grad((Asks.apply(x) * weight).sum(), [x, weight])
+    torch.autograd.grad((Asks.apply(x) * weight).sum(), [x])
+    (Asks.apply(x) * weight).sum().backward()
+    assert answers == [True, False, False, False, True, False]
 
 
 class FreezeHeadAtBatch2(L.Callback):

@@ -62,7 +62,7 @@ class OutsideUses:
         sum is final only when the backward ends. Asked at each of the block's backwards while there were
         uses: it queues that end."""
         self.end_with_backward()
-        return any(_reached_by_this_backward(p) for p in self.used.get(block, {}).values())
+        return any(reached_by_this_backward(p) for p in self.used.get(block, {}).values())
 
     def arrived(self, placeholder: Tensor, updating: bool) -> None:
         """Autograd summed this backward's gradient of ``placeholder`` (its post-accumulate hook): it joins
@@ -90,10 +90,13 @@ class OutsideUses:
         self.grads.flush()  # every sum of this pass added to the block's: the backward is over
 
 
-def _reached_by_this_backward(placeholder: Tensor) -> bool:
+def reached_by_this_backward(placeholder: Tensor) -> bool:
     """Whether the backward running now accumulates a gradient in ``placeholder``: its gradient accumulator
     (autograd's, shared by every graph that holds it) is a node this backward executes. A placeholder frozen
     since its use has none."""
     if not placeholder.requires_grad:
         return False
-    return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(placeholder).node)
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(placeholder).node)
+    except RuntimeError:  # `torch.autograd.grad` (or `backward(inputs=...)`): it may not be asked about
+        return True  # leaves; wait for the backward's end, as when one is reached

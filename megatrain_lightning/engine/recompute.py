@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
 
 # What Hugging Face layers call the cache they append to, by keyword or position.
 CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
@@ -114,7 +113,7 @@ class ForwardState:
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     modules: tuple[torch.nn.Module, ...]
     training: tuple[bool, ...]
-    attention_kernels: list[SDPBackend]
+    attention_kernels: tuple[bool, ...]  # which of _ATTENTION_KERNELS are allowed
     buffers: dict[BufferKey, Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -124,7 +123,7 @@ class ForwardState:
         autocast = tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types)
         modules = tuple(module.modules())
         training = tuple(m.training for m in modules)
-        kernels = _cur_sdpa_kernel_backends(with_priority=True)
+        kernels = _allowed_attention_kernels()
         return cls(device, torch.get_rng_state(), device_rng, autocast, modules, training, kernels)
 
     @contextlib.contextmanager
@@ -140,7 +139,7 @@ class ForwardState:
                 torch.cuda.set_rng_state(self.device_rng, self.device)
             for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            stack.enter_context(sdpa_kernel(self.attention_kernels, set_priority=True))
+            stack.enter_context(_attention_kernels_allowed(self.attention_kernels))
             stack.enter_context(_in_modes(self.modules, self.training))
             copies: dict[int, Tensor] = {}  # one copy of a tensor that several modules hold
             for (module, name), before in self.buffers.items():
@@ -157,6 +156,28 @@ class ForwardState:
 
 
 _ABSENT = object()
+# The attention kernels `torch.nn.attention.sdpa_kernel` switches on and off (for the CPU's too).
+_ATTENTION_KERNELS = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def _allowed_attention_kernels() -> tuple[bool, ...]:
+    return tuple(getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in _ATTENTION_KERNELS)
+
+
+@contextlib.contextmanager
+def _attention_kernels_allowed(allowed: tuple[bool, ...]) -> Iterator[None]:
+    """Only the kernels ``allowed`` (not a priority order ``sdpa_kernel`` set), afterwards those now."""
+    now = _allowed_attention_kernels()
+    if now == allowed:
+        yield
+        return
+    for name, on in zip(_ATTENTION_KERNELS, allowed, strict=True):
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
+    try:
+        yield
+    finally:
+        for name, on in zip(_ATTENTION_KERNELS, now, strict=True):
+            getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
 
 
 @contextlib.contextmanager
