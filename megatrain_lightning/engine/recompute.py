@@ -19,7 +19,7 @@ import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,8 +139,10 @@ class ForwardState:
                 torch.cuda.set_rng_state(self.device_rng, self.device)
             for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            stack.enter_context(_attention_kernels_allowed(self.attention_kernels))
-            stack.enter_context(_in_modes(self.modules, self.training))
+            kernels = _allowed_attention_kernels()
+            stack.enter_context(_switched(kernels, self.attention_kernels, _allow_attention_kernels))
+            modes = [m.training for m in self.modules]
+            stack.enter_context(_switched(modes, self.training, functools.partial(_set_modes, self.modules)))
             copies: dict[int, Tensor] = {}  # one copy of a tensor that several modules hold
             for (module, name), before in self.buffers.items():
                 # A copy: a second backward starts from the same buffers again.
@@ -164,36 +166,30 @@ def _allowed_attention_kernels() -> tuple[bool, ...]:
     return tuple(getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in _ATTENTION_KERNELS)
 
 
-@contextlib.contextmanager
-def _attention_kernels_allowed(allowed: tuple[bool, ...]) -> Iterator[None]:
-    """Only the kernels ``allowed`` (not a priority order ``sdpa_kernel`` set), afterwards those now."""
-    now = _allowed_attention_kernels()
-    if now == allowed:
-        yield
-        return
+def _allow_attention_kernels(allowed: Sequence[bool]) -> None:
+    """Only the kernels ``allowed`` (not a priority order ``sdpa_kernel`` set)."""
     for name, on in zip(_ATTENTION_KERNELS, allowed, strict=True):
         getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
-    try:
-        yield
-    finally:
-        for name, on in zip(_ATTENTION_KERNELS, now, strict=True):
-            getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
+
+
+def _set_modes(modules: Sequence[torch.nn.Module], training: Sequence[bool]) -> None:
+    for module, mode in zip(modules, training, strict=True):
+        module.training = mode
 
 
 @contextlib.contextmanager
-def _in_modes(modules: tuple[torch.nn.Module, ...], training: tuple[bool, ...]) -> Iterator[None]:
-    """``modules`` in the train/eval modes ``training``, and afterwards in the modes they are in now."""
-    now = [m.training for m in modules]
-    if now == list(training):
+def _switched(
+    now: Sequence[Any], wanted: Sequence[Any], switch: Callable[[Sequence[Any]], None]
+) -> Iterator[None]:
+    """``switch(wanted)`` for the duration of the context, then ``switch(now)``; nothing where they agree."""
+    if list(now) == list(wanted):
         yield
         return
-    for m, mode in zip(modules, training, strict=True):
-        m.training = mode
+    switch(wanted)
     try:
         yield
     finally:
-        for m, mode in zip(modules, now, strict=True):
-            m.training = mode
+        switch(now)
 
 
 @contextlib.contextmanager
