@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -331,3 +332,71 @@ def test_recorded_meta_build_replays_to_the_plain_build(arch, tokens):
     assert torch.equal(torch.get_rng_state(), after_plain)  # replaying draws nothing new
     expected, actual = plain.state_dict(), built.state_dict()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+class _InitsOfEveryKind(torch.nn.Module):
+    """A plain-PyTorch model initialized with torch.nn.init's functions that skip a tensor on meta
+    (``trunc_normal_`` with its rejection loop and without, ``orthogonal_``, ``sparse_``, ``dirac_``),
+    with a generator of its own, from values made on the CPU (a large table drawn there; an index
+    buffer's values) and from Python data on the weights' device."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 32)
+        self.gate = torch.nn.Linear(32, 16)
+        self.conv = torch.nn.Conv1d(4, 4, 3)
+        torch.nn.init.trunc_normal_(self.embed.weight, std=0.02, a=-0.04, b=0.04)  # rejection loop
+        torch.nn.init.orthogonal_(self.proj.weight)
+        torch.nn.init.sparse_(self.gate.weight, sparsity=0.5)
+        torch.nn.init.dirac_(self.conv.weight)
+        torch.nn.init.trunc_normal_(self.gate.weight, std=1.0, a=-0.1, b=0.1)  # the inverse-CDF branch
+        torch.nn.init.normal_(self.proj.bias, generator=generator)
+        torch.nn.init.uniform_(self.gate.bias, generator=generator)
+        self.table = torch.nn.Parameter(torch.randn(1024, 512) * 0.02)  # 2 MiB drawn on the CPU
+        with torch.no_grad():
+            self.conv.bias.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0], device=self.conv.weight.device))
+
+
+def test_a_meta_build_with_inits_that_skip_meta_or_own_generators_replays_to_the_plain_build():
+    generator = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    plain = _InitsOfEveryKind(generator)
+    after_plain = torch.get_rng_state(), generator.get_state()
+    generator.manual_seed(1)
+    torch.manual_seed(0)
+    with init_on_meta(), InitRecorder() as recorder:
+        built = _InitsOfEveryKind(generator)
+    recorder.install(built)
+    built.to_empty(device="cpu")
+    generator.manual_seed(5)  # a replay draws from the state each op was recorded with
+    for module in reversed(list(built.modules())):
+        initialize(module, model_init=_unrecorded)
+    assert torch.equal(torch.get_rng_state(), after_plain[0])
+    assert torch.equal(generator.get_state(), torch.Generator().manual_seed(5).get_state())
+    expected, actual = plain.state_dict(), built.state_dict()
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+class _EmptyThenInitialized(torch.nn.Module):
+    """A weight made by ``torch.empty`` on the CPU and written only by its init, as ``nn.Linear``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        weight = torch.nn.Parameter(torch.empty(256, 256))  # the memory outlives the tensor `empty` made
+        self.memory = weakref.ref(weight.untyped_storage())
+        self.weight = weight
+        torch.nn.init.normal_(self.weight)
+
+
+def test_a_meta_build_does_not_hold_the_cpu_memory_of_weights_its_inits_write():
+    torch.manual_seed(0)
+    plain = _EmptyThenInitialized()
+    torch.manual_seed(0)
+    with init_on_meta(), InitRecorder() as recorder:
+        built = _EmptyThenInitialized()
+    recorder.install(built)
+    assert built.memory() is None  # the recorder keeps no copy of the uninitialized memory
+    built.to_empty(device="cpu")
+    initialize(built, model_init=_unrecorded)
+    assert torch.equal(built.weight, plain.weight)

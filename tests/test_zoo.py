@@ -83,17 +83,10 @@ def test_zoo_padded_dict_batches(arch, plain_runs):
     assert_same_training(plain, paged)
 
 
-# Meta builds (`configure_model` under megatrain) that do not start from the plain build's weights, each
-# with its reason: torch's `trunc_normal_` returns at once on meta, drawing nothing (ModernBERT's init).
-META_BUILD_DIFFERS = {"modernbert-decoder"}
-# A build that makes a tensor by `torch.tensor(..., device=w.device)`, which megatrain's recorder cannot
-# see, and copies it into weights: refused with an error saying to build in `__init__` (RWKV's init).
-META_BUILD_REFUSED = {"rwkv"}
-
-
 def test_zoo_meta_builds_start_from_the_plain_builds_weights():
     """Every architecture built on meta with megatrain's recorder, then replayed module by module, equals
-    its plain build with the same seed, but the two sets above (which this test keeps current)."""
+    its plain build with the same seed (ModernBERT's `trunc_normal_`, which returns at once on meta, and
+    RWKV's `torch.tensor(..., device=w.device)` included)."""
     differs, refused = set(), set()
     for arch in ARCHS:
         torch.manual_seed(0)
@@ -113,4 +106,4 @@ def test_zoo_meta_builds_start_from_the_plain_builds_weights():
         expected, actual = dict(plain.named_parameters()), dict(built.named_parameters())
         if not all(torch.equal(expected[name], actual[name]) for name in expected):
             differs.add(arch)
-    assert (differs, refused) == (META_BUILD_DIFFERS, META_BUILD_REFUSED)
+    assert (differs, refused) == (set(), set())

@@ -12,8 +12,11 @@ time, without ever holding the whole model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -41,15 +45,14 @@ class _Op:
     args: tuple[Any, ...]  # after the target tensor; tensors on meta among them as :class:`_Source`
     kwargs: dict[str, Any]
     geometry: Geometry  # the part of the storage it writes
-    rng_state: Tensor | None  # the generator state the op starts from (random ops only)
+    rng_state: Tensor | None  # the state its generator starts from (random ops only)
 
     def apply(self, target: Tensor) -> None:
         size, stride, offset = self.geometry
         target = target.as_strided(size, stride, target.storage_offset() + offset)
         args, kwargs = _materialized((self.args, self.kwargs))
-        if self.rng_state is not None:
-            torch.set_rng_state(self.rng_state)
-        self.func(target, *args, **kwargs)
+        with _drawing_from(kwargs.get("generator"), self.rng_state):
+            self.func(target, *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,8 @@ class _Made:
 
     def value(self) -> Tensor:
         args, kwargs = _materialized((self.args, self.kwargs))
-        if self.rng_state is not None:
-            torch.set_rng_state(self.rng_state)
-        return tree_flatten(self.func(*args, **kwargs))[0][self.output]
+        with _drawing_from(kwargs.get("generator"), self.rng_state):
+            return tree_flatten(self.func(*args, **kwargs))[0][self.output]
 
 
 @dataclass
@@ -82,7 +84,16 @@ class _Storage:
     from_files: bool = False  # its values come from checkpoint files once the build is over
 
     def values(self, count: int) -> Tensor:
-        """Its values after its first ``count`` ops, as a flat CPU tensor."""
+        """Its values after its first ``count`` ops, as a flat CPU tensor. Without a record it has none to
+        read (a weight to be loaded from checkpoint files, one never initialized): a clear error, where a
+        plain build reads the values it has (an op reading it for its shape alone reads nothing)."""
+        if self.from_files or (self.made is None and count == 0):
+            raise MisconfigurationException(
+                "megatrain: the model built in `configure_model` reads the values of a tensor on the meta "
+                "device that megatrain cannot know there (a weight loaded from checkpoint files later, one "
+                "never initialized): a copy, a cast or an `.item()` of it. Do this after `fit`, or build "
+                "the model in the LightningModule's `__init__`."
+            )
         flat = torch.empty(self.numel, dtype=self.dtype)
         if self.made is not None:
             made, geometry = self.made
@@ -102,12 +113,7 @@ class _Source:
     geometry: Geometry
 
     def materialize(self) -> Tensor:
-        """Its values, the generator left as it was (replaying a random op sets its state)."""
-        state = torch.get_rng_state()
-        try:
-            return self.storage.values(self.count).as_strided(*self.geometry)
-        finally:
-            torch.set_rng_state(state)
+        return self.storage.values(self.count).as_strided(*self.geometry)
 
 
 @dataclass(frozen=True)
@@ -149,10 +155,33 @@ def _on_cpu(value: Any) -> Any:
     return torch.device("cpu") if isinstance(value, torch.device) and value.type == "meta" else value
 
 
-def _draws(func: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether ``func`` draws from the global generator: an op of which some form takes a generator
-    (``rand``, ``normal_``, ``bernoulli``), called without one."""
-    return kwargs.get("generator") is None and _takes_a_generator(func.overloadpacket)
+def _draws(func: Any) -> bool:
+    """Whether ``func`` draws random numbers: an op of which some form takes a generator (``rand``,
+    ``normal_``, ``bernoulli``)."""
+    return _takes_a_generator(func.overloadpacket)
+
+
+def _generator_state(kwargs: dict[str, Any]) -> Tensor:
+    """The state of the generator a random op draws from: the one it is given (``generator=``), else
+    the global one."""
+    generator = kwargs.get("generator")
+    return torch.get_rng_state() if generator is None else generator.get_state()
+
+
+@contextlib.contextmanager
+def _drawing_from(generator: torch.Generator | None, state: Tensor | None) -> Any:
+    """Run a recorded op from the generator state it was recorded with (``state``; None: it draws
+    nothing), and leave the generator as it was: a replay changes no random stream."""
+    if state is None:
+        yield
+        return
+    now = torch.get_rng_state() if generator is None else generator.get_state()
+    set_state = torch.set_rng_state if generator is None else generator.set_state
+    set_state(state)
+    try:
+        yield
+    finally:
+        set_state(now)
 
 
 @functools.cache
@@ -161,19 +190,6 @@ def _takes_a_generator(packet: Any) -> bool:
         argument.name == "generator"
         for overload in packet.overloads()
         for argument in getattr(packet, overload)._schema.arguments
-    )
-
-
-# A real tensor moved to meta (a parameter made on the CPU, registered under megatrain's meta build): the
-# values of a small one are kept (learned scales, biases of zeros, which no init may set again); a large one
-# is a weight whose values its init sets, and keeping it would keep the model in RAM.
-_KEPT_REAL_BYTES = 1 << 20
-
-
-def _holds_a_large_real_tensor(value: Any) -> bool:
-    return any(
-        isinstance(t, Tensor) and not t.is_meta and t.untyped_storage().nbytes() > _KEPT_REAL_BYTES
-        for t in tree_flatten(value)[0]
     )
 
 
@@ -195,6 +211,47 @@ _SHAPE_ONLY = _packets(
     "new_ones",
     "new_full",
 )
+
+
+# torch.nn.init's functions that return at once for a tensor on meta (``trunc_normal_``, ``orthogonal_``,
+# ``sparse_``, ``dirac_``): a plain build draws there, so a meta build that skips them starts from other
+# weights, and every weight drawn after them differs too.
+_INITS_SKIPPING_META = frozenset(
+    function.__code__
+    for function in vars(nn.init).values()
+    if callable(function) and "is_meta" in getattr(getattr(function, "__code__", None), "co_names", ())
+)
+_IS_META = torch._C.TensorBase.__dict__["is_meta"]
+
+
+_FROM_DATA = frozenset({torch.tensor, torch.as_tensor, Tensor.new_tensor})
+
+
+class _MetaBuildFunctions(TorchFunctionMode):
+    """What the recorder cannot see below torch's functions, while a meta build is recorded:
+
+    * torch.nn.init's functions that return at once for a tensor on meta are told it is not: their ops then
+      run on it and are recorded as any other init's (the draws, a QR, a rejection loop's ``.any()``, which
+      the recorder computes on the CPU);
+    * a tensor made on meta from Python data (``torch.tensor(values, device=w.device)``) is made on the CPU
+      and moved, so the recorder keeps its values (made on meta its values are not dispatched)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not building_on_meta():
+            return func(*args, **kwargs)
+        if getattr(func, "__self__", None) is _IS_META and sys._getframe(1).f_code in _INITS_SKIPPING_META:
+            return False
+        out = func(*args, **kwargs)
+        if func in _FROM_DATA and _is_meta(out) and not _holds_a_tensor(args, kwargs, func):
+            return func(*args, **{**kwargs, "device": "cpu"}).to("meta")
+        return out
+
+
+def _holds_a_tensor(args: tuple, kwargs: dict, func: Any) -> bool:
+    """Whether the data ``func`` makes a tensor from holds tensors (whose ops the recorder sees)."""
+    data = args[1:] if func is Tensor.new_tensor else args
+    return any(isinstance(v, Tensor) for v in tree_flatten((data, kwargs))[0])
 
 
 class InitRecorder(TorchDispatchMode):
@@ -221,15 +278,19 @@ class InitRecorder(TorchDispatchMode):
         super().__init__()
         self._storages: dict[int, _Storage] = {}  # by :func:`_storage_key`
         self._keep: list[Tensor] = []  # a tensor of each recorded storage: the storages stay unique
+        self._unwritten: set[int] = set()  # see :meth:`_track_unwritten`
         self._nested = False
+        self._functions = _MetaBuildFunctions()
 
     def __enter__(self) -> InitRecorder:
         """Inside another recorder this one shares its record: recording twice would draw twice."""
         outer = getattr(_active, "recorder", None)
         if outer is not None:
-            self._storages, self._keep, self._nested = outer._storages, outer._keep, True
+            self._storages, self._keep, self._unwritten = outer._storages, outer._keep, outer._unwritten
+            self._nested = True
             return self
         _active.recorder = self
+        self._functions.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -237,6 +298,7 @@ class InitRecorder(TorchDispatchMode):
             return
         _active.recorder = None
         super().__exit__(*exc)
+        self._functions.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -252,9 +314,36 @@ class InitRecorder(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         taken = {_storage_key(i) for i in inputs if i.is_meta}  # a view shares its input's storage
         made = [i for i, t in enumerate(tree_flatten(out)[0]) if _is_meta(t) and _storage_key(t) not in taken]
-        if made and func.overloadpacket not in _EMPTY and not _holds_a_large_real_tensor((args, kwargs)):
+        if made and func.overloadpacket not in _EMPTY and not self._reads_unwritten(inputs):
             self._made(func, args, kwargs, out, made)
+        self._track_unwritten(func, inputs, out)
         return out
+
+    def _track_unwritten(self, func: Any, inputs: list[Tensor], out: Any) -> None:
+        """Keep :attr:`_unwritten` current: the CPU storages ``empty`` made that nothing wrote since.
+
+        A parameter made on the CPU and registered under megatrain's meta build (``nn.Linear``'s
+        ``torch.empty``, a user's ``nn.Parameter(torch.randn(n, d))``) is moved to meta; its values are kept
+        as how it was made unless it is such an unwritten storage (its init writes it on meta later, and
+        keeping every weight's memory would keep the model in RAM). Values made on the CPU are kept, as a
+        plain build holds them."""
+        real = [t for t in inputs if not t.is_meta]
+        if func._schema.is_mutable:  # written (a read argument counted too: its values are kept)
+            for t in real:
+                self._unwritten.discard(_storage_key(t))
+        taken = {_storage_key(t) for t in real}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, Tensor) or t.is_meta or _storage_key(t) in taken:
+                continue
+            key = _storage_key(t)
+            if func.overloadpacket in _EMPTY:
+                self._unwritten.add(key)
+                weakref.finalize(t.untyped_storage(), self._unwritten.discard, key)  # no stale key later
+            else:
+                self._unwritten.discard(key)
+
+    def _reads_unwritten(self, inputs: list[Tensor]) -> bool:
+        return any(not t.is_meta and _storage_key(t) in self._unwritten for t in inputs)
 
     def _storage(self, t: Tensor) -> _Storage:
         key = _storage_key(t)
@@ -269,8 +358,8 @@ class InitRecorder(TorchDispatchMode):
         build's."""
         storage = self._storage(target)
         rng_state = None
-        if _draws(func, kwargs):
-            rng_state = torch.get_rng_state()
+        if _draws(func):
+            rng_state = _generator_state(kwargs)
             # An anonymous map, returned to the system when freed: heap scratch of every size stays in RSS.
             scratch = host_empty(storage.numel, target.dtype).as_strided(*_geometry(target))
             func(scratch, *args, **kwargs)  # advance the generator as a plain build does
@@ -282,8 +371,8 @@ class InitRecorder(TorchDispatchMode):
         source = _Shaped.of if func.overloadpacket in _SHAPE_ONLY else self._source
         arguments = tree_map(lambda v: source(v) if _is_meta(v) else _on_cpu(v), (args, kwargs))
         rng_state = None
-        if _draws(func, kwargs):
-            rng_state = torch.get_rng_state()
+        if _draws(func):
+            rng_state = _generator_state(kwargs)
             func(*_materialized(arguments[0]), **_materialized(arguments[1]))  # draw as a plain build does
         tensors = tree_flatten(out)[0]
         for index in made:
@@ -293,19 +382,10 @@ class InitRecorder(TorchDispatchMode):
             )
 
     def _source(self, value: Any) -> Any:
-        """A recorded op's argument as replay needs it: a tensor on meta as its record so far. One with no
-        record has no values to read (a weight to be loaded from checkpoint files, one never initialized):
-        a clear error, where a plain build reads the values it has."""
+        """A recorded op's argument as replay needs it: a tensor on meta as its record so far."""
         if not _is_meta(value):
             return value
         storage = self._storage(value)
-        if storage.from_files or (storage.made is None and not storage.ops):
-            raise MisconfigurationException(
-                "megatrain: the model built in `configure_model` reads the values of a tensor on the meta "
-                "device that megatrain cannot know there (a weight loaded from checkpoint files later, one "
-                "never initialized, a `torch.tensor(..., device=w.device)`): a copy, a cast or an `.item()` "
-                "of it. Do this after `fit`, or build the model in the LightningModule's `__init__`."
-            )
         return _Source(storage, len(storage.ops), _geometry(value))
 
     def from_files(self, weights: list[Tensor]) -> None:
@@ -364,11 +444,8 @@ def initialize(module: nn.Module, model_init: Callable[[nn.Module], None] | None
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()
         return
-    state = torch.get_rng_state()
-    try:
-        with torch.no_grad():
-            for name, ops in own.items():
-                for op in ops:
-                    op.apply(module._parameters[name])
-    finally:
-        torch.set_rng_state(state)
+    with torch.no_grad():
+        for name, ops in own.items():
+            for op in ops:
+                op.apply(module._parameters[name])
+    module.__dict__[_RECORDED] = {}  # replayed: the record (values made on the CPU among it) is freed

@@ -31,7 +31,7 @@ def init_on_meta() -> Generator[None, None, None]:
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and not param.is_meta:
-            meta = module._parameters[name].to("meta")  # a recorder keeps small ones' values
+            meta = module._parameters[name].to("meta")  # a recorder keeps the values made on the CPU
             module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
 
     outermost = not building_on_meta()
