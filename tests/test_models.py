@@ -358,23 +358,46 @@ class _InitsOfEveryKind(torch.nn.Module):
             self.conv.bias.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0], device=self.conv.weight.device))
 
 
-def test_a_meta_build_with_inits_that_skip_meta_or_own_generators_replays_to_the_plain_build():
+class _WritesOfEveryKind(torch.nn.Module):
+    """Users' writes that reach a weight other than by an in-place op on it: ``eye_`` (``torch.eye``'s
+    ``out=``), ``.data =`` a CPU tensor or a tensor computed from the weight (whose old storage is then
+    free for the next tensor made), buffers made on the weights' device, ``spectral_norm`` (its vectors'
+    power iteration, each step reading the other's last state)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 32)
+        self.gate = torch.nn.Linear(32, 16)
+        torch.nn.init.eye_(self.proj.weight[:16])
+        self.proj.bias.data = torch.randn(32, generator=generator)
+        self.gate.weight.data = self.gate.weight.data * 0.5
+        self.more = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.register_buffer("positions", torch.arange(8, device=self.proj.weight.device))
+        self.register_buffer("ones", torch.ones_like(self.gate.weight))
+        torch.nn.utils.parametrizations.spectral_norm(self.more[0])
+
+
+@pytest.mark.parametrize("model_cls", [_InitsOfEveryKind, _WritesOfEveryKind])
+def test_a_meta_build_replays_to_the_plain_build_whatever_the_init_writes_with(model_cls):
     generator = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
-    plain = _InitsOfEveryKind(generator)
+    plain = model_cls(generator)
     after_plain = torch.get_rng_state(), generator.get_state()
     generator.manual_seed(1)
     torch.manual_seed(0)
     with init_on_meta(), InitRecorder() as recorder:
-        built = _InitsOfEveryKind(generator)
+        built = model_cls(generator)
     recorder.install(built)
-    built.to_empty(device="cpu")
+    for module in built.modules():  # the parameters' memory, as the store gives it (the buffers are real)
+        for name, param in module._parameters.items():
+            module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="cpu"))
     generator.manual_seed(5)  # a replay draws from the state each op was recorded with
     for module in reversed(list(built.modules())):
         initialize(module, model_init=_unrecorded)
     assert torch.equal(torch.get_rng_state(), after_plain[0])
     assert torch.equal(generator.get_state(), torch.Generator().manual_seed(5).get_state())
     expected, actual = plain.state_dict(), built.state_dict()
+    assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[k], actual[k]) for k in expected)
 
 

@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from megatrain_lightning.serialization.meta import building_on_meta
+from megatrain_lightning.serialization.meta import MetaBuildFunctions, building_on_meta
 from megatrain_lightning.store.memory import host_empty
 
 _active = threading.local()  # the recorder this thread's ops go to
@@ -42,7 +40,7 @@ class _Op:
     """An in-place op on a tensor's storage, recorded to replay on the real tensor."""
 
     func: Any  # an aten OpOverload
-    args: tuple[Any, ...]  # after the target tensor; tensors on meta among them as :class:`_Source`
+    args: tuple[Any, ...]  # the written tensor as :data:`_TARGET`; others on meta as :class:`_Source`
     kwargs: dict[str, Any]
     geometry: Geometry  # the part of the storage it writes
     rng_state: Tensor | None  # the state its generator starts from (random ops only)
@@ -50,9 +48,9 @@ class _Op:
     def apply(self, target: Tensor) -> None:
         size, stride, offset = self.geometry
         target = target.as_strided(size, stride, target.storage_offset() + offset)
-        args, kwargs = _materialized((self.args, self.kwargs))
+        args, kwargs = _materialized((self.args, self.kwargs), target)
         with _drawing_from(kwargs.get("generator"), self.rng_state):
-            self.func(target, *args, **kwargs)
+            self.func(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -84,9 +82,11 @@ class _Storage:
     from_files: bool = False  # its values come from checkpoint files once the build is over
 
     def values(self, count: int) -> Tensor:
-        """Its values after its first ``count`` ops, as a flat CPU tensor. Without a record it has none to
-        read (a weight to be loaded from checkpoint files, one never initialized): a clear error, where a
-        plain build reads the values it has (an op reading it for its shape alone reads nothing)."""
+        """Its values after its first ``count`` ops, as a flat CPU tensor not to be written. Each state is
+        computed once per reading (``spectral_norm``'s power method reads each vector's last state: else
+        its whole history at each step), none kept after it (a weight's would hold the model in RAM).
+        Without a record it has no values (a weight loaded from files later, one never initialized): a
+        clear error, where a plain build reads the values it has (a read of its shape alone reads none)."""
         if self.from_files or (self.made is None and count == 0):
             raise MisconfigurationException(
                 "megatrain: the model built in `configure_model` reads the values of a tensor on the meta "
@@ -94,13 +94,36 @@ class _Storage:
                 "never initialized): a copy, a cast or an `.item()` of it. Do this after `fit`, or build "
                 "the model in the LightningModule's `__init__`."
             )
-        flat = torch.empty(self.numel, dtype=self.dtype)
-        if self.made is not None:
-            made, geometry = self.made
-            flat.as_strided(*geometry).copy_(made.value())
-        for op in self.ops[:count]:
-            op.apply(flat)
-        return flat
+        with _one_reading() as computed:
+            states = computed.setdefault(id(self), {})
+            if count in states:
+                return states[count]
+            start = max((done for done in states if done < count), default=None)
+            if start is not None:
+                flat = states[start].clone()
+            else:
+                start, flat = 0, torch.empty(self.numel, dtype=self.dtype)
+                if self.made is not None:
+                    made, geometry = self.made
+                    flat.as_strided(*geometry).copy_(made.value())
+            for op in self.ops[start:count]:
+                op.apply(flat)
+            states[count] = flat
+            return flat
+
+
+@contextlib.contextmanager
+def _one_reading() -> Generator[dict[int, dict[int, Tensor]], None, None]:
+    """The states computed in the outermost :meth:`_Storage.values` running on this thread, by storage
+    and count of ops."""
+    outermost = getattr(_active, "computed", None) is None
+    if outermost:
+        _active.computed = {}
+    try:
+        yield _active.computed
+    finally:
+        if outermost:
+            _active.computed = None
 
 
 @dataclass(frozen=True)
@@ -133,8 +156,28 @@ class _Shaped:
         return torch.empty_strided(size, stride, dtype=self.dtype)
 
 
-def _materialized(value: Any) -> Any:
-    return tree_map(lambda v: v.materialize() if isinstance(v, (_Source, _Shaped)) else v, value)
+_TARGET = object()  # where a recorded op's written tensor goes: its first argument, or `out=` (`torch.eye`)
+
+
+def _materialized(value: Any, target: Tensor | None = None) -> Any:
+    def real(v: Any) -> Any:
+        if v is _TARGET:
+            return target
+        return v.materialize() if isinstance(v, (_Source, _Shaped)) else v
+
+    return tree_map(real, value)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> Tensor | None:
+    """The tensor on meta that ``func`` writes, if any: its first argument (``normal_``, ``copy_``) or
+    its ``out=`` (``torch.eye(n, out=w)``, as ``nn.init.eye_`` writes)."""
+    if not func._schema.is_mutable:
+        return None
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            return value if _is_meta(value) else None
+    return None
 
 
 def _geometry(t: Tensor) -> Geometry:
@@ -213,47 +256,6 @@ _SHAPE_ONLY = _packets(
 )
 
 
-# torch.nn.init's functions that return at once for a tensor on meta (``trunc_normal_``, ``orthogonal_``,
-# ``sparse_``, ``dirac_``): a plain build draws there, so a meta build that skips them starts from other
-# weights, and every weight drawn after them differs too.
-_INITS_SKIPPING_META = frozenset(
-    function.__code__
-    for function in vars(nn.init).values()
-    if callable(function) and "is_meta" in getattr(getattr(function, "__code__", None), "co_names", ())
-)
-_IS_META = torch._C.TensorBase.__dict__["is_meta"]
-
-
-_FROM_DATA = frozenset({torch.tensor, torch.as_tensor, Tensor.new_tensor})
-
-
-class _MetaBuildFunctions(TorchFunctionMode):
-    """What the recorder cannot see below torch's functions, while a meta build is recorded:
-
-    * torch.nn.init's functions that return at once for a tensor on meta are told it is not: their ops then
-      run on it and are recorded as any other init's (the draws, a QR, a rejection loop's ``.any()``, which
-      the recorder computes on the CPU);
-    * a tensor made on meta from Python data (``torch.tensor(values, device=w.device)``) is made on the CPU
-      and moved, so the recorder keeps its values (made on meta its values are not dispatched)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if not building_on_meta():
-            return func(*args, **kwargs)
-        if getattr(func, "__self__", None) is _IS_META and sys._getframe(1).f_code in _INITS_SKIPPING_META:
-            return False
-        out = func(*args, **kwargs)
-        if func in _FROM_DATA and _is_meta(out) and not _holds_a_tensor(args, kwargs, func):
-            return func(*args, **{**kwargs, "device": "cpu"}).to("meta")
-        return out
-
-
-def _holds_a_tensor(args: tuple, kwargs: dict, func: Any) -> bool:
-    """Whether the data ``func`` makes a tensor from holds tensors (whose ops the recorder sees)."""
-    data = args[1:] if func is Tensor.new_tensor else args
-    return any(isinstance(v, Tensor) for v in tree_flatten((data, kwargs))[0])
-
-
 class InitRecorder(TorchDispatchMode):
     """Record the initialization of parameters built on meta; :meth:`install` makes them replayable.
 
@@ -277,10 +279,10 @@ class InitRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._storages: dict[int, _Storage] = {}  # by :func:`_storage_key`
-        self._keep: list[Tensor] = []  # a tensor of each recorded storage: the storages stay unique
+        self._keep: list[torch.UntypedStorage] = []  # every recorded storage, kept alive
         self._unwritten: set[int] = set()  # see :meth:`_track_unwritten`
         self._nested = False
-        self._functions = _MetaBuildFunctions()
+        self._functions = MetaBuildFunctions()
 
     def __enter__(self) -> InitRecorder:
         """Inside another recorder this one shares its record: recording twice would draw twice."""
@@ -307,8 +309,9 @@ class InitRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and _is_meta(target):
             return self._source(target).materialize().item()
-        if _is_meta(target) and func._schema.is_mutable:
-            self._record(func, target, args[1:], kwargs)
+        written = _written(func, args, kwargs)
+        if written is not None:
+            self._record(func, written, args, kwargs)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
@@ -348,21 +351,23 @@ class InitRecorder(TorchDispatchMode):
     def _storage(self, t: Tensor) -> _Storage:
         key = _storage_key(t)
         if key not in self._storages:
-            self._keep.append(t)  # one tensor keeps the storage, so its key, alive
+            self._keep.append(t.untyped_storage())  # its key stays unique (a tensor's may change: `.data =`)
             numel = t.untyped_storage().nbytes() // t.element_size()
             self._storages[key] = _Storage(numel, t.dtype)
         return self._storages[key]
 
     def _record(self, func: Any, target: Tensor, args: tuple, kwargs: dict) -> None:
-        """An in-place op on a tensor on meta: recorded to replay, and the generator advanced as a plain
-        build's."""
+        """An op writing ``target``, a tensor on meta: recorded to replay, and the generator advanced as a
+        plain build's."""
         storage = self._storage(target)
+        args, kwargs = tree_map(lambda v: _TARGET if v is target else v, (args, kwargs))
         rng_state = None
         if _draws(func):
             rng_state = _generator_state(kwargs)
             # An anonymous map, returned to the system when freed: heap scratch of every size stays in RSS.
             scratch = host_empty(storage.numel, target.dtype).as_strided(*_geometry(target))
-            func(scratch, *args, **kwargs)  # advance the generator as a plain build does
+            drawn_args, drawn_kwargs = _materialized((args, kwargs), scratch)
+            func(*drawn_args, **drawn_kwargs)  # advance the generator as a plain build does
         recorded = tree_map(self._source, (args, kwargs))
         storage.ops.append(_Op(func, *recorded, _geometry(target), rng_state))
 
@@ -396,7 +401,8 @@ class InitRecorder(TorchDispatchMode):
     def install(self, root: nn.Module) -> None:
         """Let every module inside ``root`` (e.g. a LightningModule whose ``configure_model`` ran under the
         recorder) replay the recorded ops of its own parameters: :func:`initialize`. Modules added
-        later keep their own initialization.
+        later keep their own initialization. A buffer made on meta (``torch.arange(n, device=w.device)``,
+        ``spectral_norm``'s vectors) gets its values now: buffers are real, as in a plain build.
 
         A parameter with several names (tied weights) replays under the first only; ops on tensors the
         finished model no longer holds (a head replaced by tying) were drawn and are dropped, as in plain.
@@ -410,6 +416,9 @@ class InitRecorder(TorchDispatchMode):
                 seen.add(id(param))
                 own[name] = self._replay(param) if param.is_meta else []
             module.__dict__[_RECORDED] = own
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_meta:  # made on a weight's device: `device=w.device`
+                    module._buffers[name] = self._source(buffer).materialize().clone()
 
     def _replay(self, param: Tensor) -> list[_Op]:
         """What gives ``param`` its values: its ops, or, for a parameter made from a computed tensor
@@ -420,7 +429,7 @@ class InitRecorder(TorchDispatchMode):
         if storage.made is None:
             return storage.ops
         whole = _Source(storage, len(storage.ops), _geometry(param))
-        return [_Op(torch.ops.aten.copy_.default, (whole,), {}, _geometry(param), None)]
+        return [_Op(torch.ops.aten.copy_.default, (_TARGET, whole), {}, _geometry(param), None)]
 
 
 def loaded_from_files(weights: list[Tensor]) -> None:

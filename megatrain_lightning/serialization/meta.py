@@ -1,16 +1,21 @@
 """Building models without memory: parameters on the meta device, buffers real; Hugging Face's
-``from_pretrained``, which loads values, builds for real."""
+``from_pretrained``, which loads values, builds for real; torch's functions that act otherwise on meta
+than on the CPU act as on the CPU while the build is recorded (:class:`MetaBuildFunctions`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Generator
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 _state = threading.local()
 
@@ -106,3 +111,53 @@ def _pretrained_loads_for_real() -> Generator[None, None, None]:
     finally:
         PreTrainedModel.from_pretrained = original
         PreTrainedModel.resize_token_embeddings = resize
+
+
+# torch.nn.init's functions that return at once for a tensor on meta (``trunc_normal_``, ``orthogonal_``,
+# ``sparse_``, ``dirac_``): a plain build draws there, so a meta build that skips them starts from other
+# weights, and every weight drawn after them differs too.
+_INITS_SKIPPING_META = frozenset(
+    function.__code__
+    for function in vars(nn.init).values()
+    if callable(function) and "is_meta" in getattr(getattr(function, "__code__", None), "co_names", ())
+)
+_IS_META = torch._C.TensorBase.__dict__["is_meta"].__get__  # compared with `==`: a new wrapper per access
+_SET_DATA = torch._C.TensorBase.__dict__["data"].__set__
+
+
+_FROM_DATA = frozenset({torch.tensor, torch.as_tensor, Tensor.new_tensor})
+
+
+class MetaBuildFunctions(TorchFunctionMode):
+    """What the recorder cannot see below torch's functions, while a meta build is recorded:
+
+    * torch.nn.init's functions that return at once for a tensor on meta are told it is not: their ops then
+      run on it and are recorded as any other init's (the draws, a QR, a rejection loop's ``.any()``, which
+      the recorder computes on the CPU);
+    * a tensor made on meta from Python data (``torch.tensor(values, device=w.device)``) is made on the CPU
+      and moved, so the recorder keeps its values (made on meta its values are not dispatched);
+    * a CPU tensor given to a parameter on meta by ``w.data = values`` is moved there (torch refuses the
+      two devices), its values kept as a parameter's made on the CPU."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not building_on_meta():
+            return func(*args, **kwargs)
+        if func == _IS_META and sys._getframe(1).f_code in _INITS_SKIPPING_META:
+            return False
+        if func == _SET_DATA and _on_meta(args[0]) and not _on_meta(args[1]):
+            return func(args[0], args[1].to("meta"))  # `w.data = values`: the values kept as made
+        out = func(*args, **kwargs)
+        if func in _FROM_DATA and _on_meta(out) and not _holds_a_tensor(args, kwargs, func):
+            return func(*args, **{**kwargs, "device": "cpu"}).to("meta")
+        return out
+
+
+def _holds_a_tensor(args: tuple, kwargs: dict, func: Any) -> bool:
+    """Whether the data ``func`` makes a tensor from holds tensors (whose ops the recorder sees)."""
+    data = args[1:] if func is Tensor.new_tensor else args
+    return any(isinstance(v, Tensor) for v in tree_flatten((data, kwargs))[0])
+
+
+def _on_meta(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_meta
