@@ -345,16 +345,23 @@ class HeadPenaltyLM(UserLM):
 
 
 @pytest.mark.parametrize(
-    "module_cls, callbacks, held_back",
-    [(UserLM, [WeightNormLogged], set()), (HeadPenaltyLM, [], {"model.lm_head"})],
-    ids=["weight-norm-logged", "head-penalty"],
+    "module_cls, callbacks, held_back, given_outside",
+    [
+        (UserLM, [WeightNormLogged], set(), set()),
+        (HeadPenaltyLM, [], set(), {"model.lm_head"}),
+        (L2PenaltyLM, [], None, None),  # every block: its penalty's graph is built before the forward
+        (PenaltyBeforeTheStepLM, [], {"model.lm_head"}, {"model.lm_head"}),
+    ],
+    ids=["weight-norm-logged", "head-penalty", "l2-penalty-on-every-weight", "penalty-before-the-forward"],
 )
 def test_only_a_use_the_backward_reaches_holds_its_blocks_update_back(
-    module_cls, callbacks, held_back, monkeypatch
+    module_cls, callbacks, held_back, given_outside, monkeypatch
 ):
     """A weight used outside its layer holds its block's update back to the step's end only where the
-    step's backward brings it a gradient (an L2 penalty on the head): a norm logged after the last step
-    leaves every update in the backward, overlapping it. Bitwise plain Lightning, the logged norm too."""
+    step's backward brings it a gradient after the block's own (a penalty whose graph was built before the
+    forward: autograd runs it after the layers): a norm logged after the last step, or a penalty added to
+    the loss after the forward (autograd sums its gradient first), leave every update in the backward,
+    overlapping it. Bitwise plain Lightning, the logged norm too."""
     submitted: list[tuple[int, bool]] = []  # (block, submitted while the closure still ran)
     submit = CPUAdamW._submit
 
@@ -374,12 +381,15 @@ def test_only_a_use_the_backward_reaches_holds_its_blocks_update_back(
         assert torch.equal(paged.trainer.callback_metrics[key], value), key
     engine = paged.trainer.strategy.engine
     assert sorted(submitted) == sorted(
-        (b.index, b.name not in held_back) for b in engine.blocks for _ in range(steps)
+        (b.index, held_back is not None and b.name not in held_back)
+        for b in engine.blocks
+        for _ in range(steps)
     )
     # The gradient sums held: a buffer per block size serves the blocks updated in the backward (as without
-    # the use), a block held back keeps its own (deferring all, the norm's run held the whole model's).
+    # the use), a block given a gradient from outside keeps its sum (plain holds it in `p.grad`; deferring
+    # every update, the norm's run held the whole model's).
     sizes = {pages(4 * b.numel) for b in engine.blocks}
-    held = sum(pages(4 * b.numel) for b in engine.blocks if b.name in held_back)
+    held = sum(pages(4 * b.numel) for b in engine.blocks if given_outside is None or b.name in given_outside)
     assert engine.store.nbytes("grad", "grad_pass") <= sum(sizes) + held
 
 

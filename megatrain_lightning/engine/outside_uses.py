@@ -6,7 +6,7 @@ Such an op computes on a copy read from the store (:mod:`.placeholders`), and au
 gradient in the placeholder itself, as in a plain parameter. That sum joins the block's as one more
 contribution of the pass (added as plain autograd adds a leaf's contributions: bitwise where there is one
 such sum beside one use of the block), and leaves the device at once. Where the backward running at the
-block's last use will reach such a placeholder too, the block's own contributions are held as the pass's
+block's last use will still reach such a placeholder, the block's own contributions are held as the pass's
 sum instead of being final, until the backward ends. So the block's update runs once the backward is over
 (in the optimizer's ``step``, after its closure), and the op's backward, which reads the weights again,
 reads the weights its forward read. A use this backward does not reach (a weight norm a callback logged
@@ -46,10 +46,12 @@ class OutsideUses:
         self.grads = grads
         self.data_parallel = data_parallel
         self.used: dict[int, dict[int, Tensor]] = {}  # block -> index -> placeholder
+        self._summed: set[tuple[int, int]] = set()  # (block, index) whose gradient this backward summed
         self._end_queued = False
 
     def begin_pass(self) -> None:
         self._end_queued = False  # a backward that failed never reached its end
+        self._summed.clear()
 
     def note(self, placeholder: Tensor) -> None:
         """A use of ``placeholder`` outside its block, autograd on. Under data parallel nothing waits: a read
@@ -58,11 +60,15 @@ class OutsideUses:
             self.used.setdefault(placeholder._block, {})[placeholder._index] = placeholder
 
     def awaited(self, block: int) -> bool:
-        """Whether the backward running now will bring ``block`` a gradient from a use outside it, so that its
-        sum is final only when the backward ends. Asked at each of the block's backwards while there were
-        uses: it queues that end."""
+        """Whether the backward running now will still bring ``block`` a gradient from a use outside it, so
+        that its sum is final only when the backward ends. A gradient already summed is in (an L2 penalty
+        added to the loss after the forward: autograd runs its nodes first). Asked at each of the block's
+        backwards while there were uses: it queues that end."""
         self.end_with_backward()
-        return any(reached_by_this_backward(p) for p in self.used.get(block, {}).values())
+        return any(
+            reached_by_this_backward(p) and (block, index) not in self._summed
+            for index, p in self.used.get(block, {}).items()
+        )
 
     def arrived(self, placeholder: Tensor, updating: bool) -> None:
         """Autograd summed this backward's gradient of ``placeholder`` (its post-accumulate hook): it joins
@@ -76,6 +82,7 @@ class OutsideUses:
         torch._C.TensorBase.grad.__set__(placeholder, None)
         if grad is not None:
             self.grads.offload(placeholder._block, {placeholder._index: grad}, final=False, then=lambda: None)
+        self._summed.add((placeholder._block, placeholder._index))  # autograd sums a leaf's once a backward
         self.end_with_backward()
 
     def end_with_backward(self) -> None:
@@ -87,6 +94,7 @@ class OutsideUses:
     def _end_of_backward(self) -> None:
         self._end_queued = False
         self.used.clear()
+        self._summed.clear()
         self.grads.flush()  # every sum of this pass added to the block's: the backward is over
 
 
