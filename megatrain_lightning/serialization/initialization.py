@@ -212,7 +212,7 @@ def _generator_state(kwargs: dict[str, Any]) -> Tensor:
 
 
 @contextlib.contextmanager
-def _drawing_from(generator: torch.Generator | None, state: Tensor | None) -> Any:
+def _drawing_from(generator: torch.Generator | None, state: Tensor | None) -> Generator[None, None, None]:
     """Run a recorded op from the generator state it was recorded with (``state``; None: it draws
     nothing), and leave the generator as it was: a replay changes no random stream."""
     if state is None:
