@@ -29,7 +29,8 @@ DATA_PARALLEL = (
     "megatrain: `{name}` was used outside the layer that owns it with autograd on, and a gradient reached "
     "it; under data parallel each rank holds only part of it, so that gradient cannot be taken there. Use "
     "the optimizer's `weight_decay` for an L2 penalty towards zero, compute the term inside the layer's "
-    "forward, or train on one device."
+    "forward, or train on one device. (Under `bf16-mixed` a call of the model outside autocast computes "
+    "with its weights this way: call it inside `torch.autocast`.)"
 )
 TOO_LATE = (
     "megatrain: a gradient of `{name}` from a use outside its layer reached it after the layer's update "
