@@ -36,7 +36,7 @@ def reads_final_gradients(trainer: pl.Trainer) -> bool:
 def check_before_training(trainer: pl.Trainer) -> None:
     """Refuse, before anything is built, what megatrain cannot serve in the user's Trainer and module, and
     warn where it trains otherwise than asked."""
-    _refuse_weight_averaging(trainer)
+    _refuse_weight_callbacks(trainer)
     _refuse_compiled_modules(trainer.lightning_module)
     if trainer.state.fn == TrainerFn.FITTING and not routes_captures():
         _refuse_router_logits(trainer.lightning_module)
@@ -44,17 +44,25 @@ def check_before_training(trainer: pl.Trainer) -> None:
         _warn_narrow_weights(trainer.lightning_module)
 
 
-def _refuse_weight_averaging(trainer: pl.Trainer) -> None:
-    """Weight-averaging callbacks keep their own copy of the parameters: megatrain holds them in its store."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+def _refuse_weight_callbacks(trainer: pl.Trainer) -> None:
+    """Callbacks that keep their own copy of the parameters (weight averaging) or replace them by a product
+    of tensors (pruning): megatrain holds the weights in its store and placeholders in the module."""
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 
     for callback in trainer.callbacks:
         if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
             raise MisconfigurationException(
                 f"megatrain does not support `{type(callback).__name__}` yet: it keeps an averaged "
                 "copy of the model's parameters, while megatrain keeps the weights in its store and "
-                "holds placeholders in the module. Remove the callback, or train with "
-                "the default strategy."
+                "holds placeholders in the module. Remove the callback (an EMA of your own, a callback "
+                "that keeps a `copy.deepcopy` of the model and `lerp_`s its weights towards the module's, "
+                "works), or train with the default strategy."
+            )
+        if isinstance(callback, ModelPruning):
+            raise MisconfigurationException(
+                "megatrain does not support `ModelPruning`: `torch.nn.utils.prune` replaces each pruned "
+                "weight by `weight_orig * mask`, computed in a forward hook outside megatrain's store of "
+                "the layer's weights. Remove the callback, or train with the default strategy."
             )
 
 

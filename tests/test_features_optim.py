@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import (
     EMAWeightAveraging,
     GradientAccumulationScheduler,
     LearningRateMonitor,
+    ModelPruning,
     StochasticWeightAveraging,
 )
 from lightning.pytorch.loggers import Logger
@@ -352,15 +353,19 @@ def test_lr_find_matches_and_restores_the_weights(model, tmp_path):
         assert torch.equal(weights[0][name], value) and torch.equal(weights[1][name], value), name
 
 
-# -- weight averaging: refused before training --
+# -- weight averaging and pruning: refused before training --
 
 
 @pytest.mark.parametrize(
     "callback",
-    [lambda: StochasticWeightAveraging(swa_lrs=1e-2), lambda: EMAWeightAveraging()],
-    ids=["swa", "ema"],
+    [
+        lambda: StochasticWeightAveraging(swa_lrs=1e-2),
+        lambda: EMAWeightAveraging(),
+        lambda: ModelPruning("l1_unstructured", amount=0.2),
+    ],
+    ids=["swa", "ema", "pruning"],
 )
-def test_weight_averaging_callbacks_are_refused_before_training(model, callback):
+def test_weight_averaging_and_pruning_callbacks_are_refused_before_training(model, callback):
     callback, recorder = callback(), LossRecorder()
     with pytest.raises(MisconfigurationException, match=f"does not support `{type(callback).__name__}`"):
         user_fit(model, MegaTrainStrategy(), callbacks=[callback, recorder])
@@ -380,15 +385,18 @@ class UnfreezeLastLayer(BaseFinetuning):
 
 class FrozenAtStartLM(UserLM):
     def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.lr, betas=(0.8, 0.9), weight_decay=0.0)
 
 
 def test_base_finetuning_unfreezes_into_a_new_param_group():
+    """The new group takes the user's AdamW defaults (betas, weight decay, the single-tensor kernel), as
+    in torch: bitwise."""
     model = tiny_model("llama")
     kwargs = dict(module_cls=FrozenAtStartLM, steps=6, max_epochs=2, limit_train_batches=3)
     plain = user_fit(model, "auto", callbacks=[UnfreezeLastLayer()], **kwargs)
     paged = user_fit(model, MegaTrainStrategy(), callbacks=[UnfreezeLastLayer()], **kwargs)
-    assert_same_training(plain, paged)
+    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
 
 
 class ForeignTensorLM(UserLM):
