@@ -374,6 +374,8 @@ class MegaTrainStrategy(RankedStrategy):
         engine = self.engine
         assert engine is not None
         engine.wait_all()
+        if not checkpointing.between_steps(engine, filepath):
+            return
         state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         state |= checkpointing.rng_states(self.root_device)
         state[checkpointing.SCHEDULE_KEY] = engine.schedule_state()

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from conftest import UserLM, assert_same_training, peak_rss_script, tiny_model, user_fit
+from conftest import UserLM, assert_same_training, peak_rss_script, tiny_model, token_batches, user_fit
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy, open_checkpoint
@@ -514,3 +515,57 @@ def test_a_save_holds_one_store_chunk_of_a_block_at_a_time(tmp_path, monkeypatch
         for kind in optimizer.state_kinds:
             assert torch.equal(state[kind], optimizer.store.read(block.index, kind)), (block.index, kind)
         assert state["step"].tolist() == optimizer.steps[block.index]
+
+
+class StoppedInBackward(Exception):
+    """Stands in for Ctrl-C or an out-of-memory error during a step's backward."""
+
+
+def _stop_in_backward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    hidden = args[0] if args else kwargs["hidden_states"]
+    hidden.register_hook(lambda grad: (_ for _ in ()).throw(StoppedInBackward()))
+
+
+class StopsInTheThirdBackward(UserLM):
+    """The third step's backward stops between the first decoder layer and the embedding: the later
+    blocks' updates have begun by then (plain Lightning updates nothing before the backward ends)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step != 2:
+            return super().training_step(batch, batch_idx)
+        layer = self.model.model.layers[0]
+        handle = layer.register_forward_pre_hook(_stop_in_backward, with_kwargs=True)
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            handle.remove()
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["updates-in-backward", "clipped"])
+def test_no_checkpoint_holds_a_step_cut_short_by_an_exception_in_its_backward(tmp_path, deferred):
+    """Some blocks were updated when the backward stopped: `OnExceptionCheckpoint` writes nothing (warned)
+    and a save of the user's is an error, where such a checkpoint would resume to other weights. With
+    updates deferred to the backward's end (clipping) nothing was updated: written, as plain's."""
+    clip = {"gradient_clip_val": 1.0} if deferred else {}
+    saved = L.pytorch.callbacks.OnExceptionCheckpoint(tmp_path)
+    module = StopsInTheThirdBackward(tiny_model("llama"))
+    trainer = L.Trainer(
+        strategy=MegaTrainStrategy(),
+        callbacks=[saved],
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **clip,
+    )
+    batches = torch.utils.data.DataLoader(token_batches(6), batch_size=None)
+    warned = pytest.warns(UserWarning, match="between two steps") if not deferred else nullcontext()
+    with warned, pytest.raises(StoppedInBackward):
+        trainer.fit(module, train_dataloaders=batches)
+    assert os.path.exists(saved.ckpt_path) == deferred
+    if not deferred:
+        with pytest.raises(RuntimeError, match="after [1-9] of 5 blocks were updated"):
+            trainer.save_checkpoint(tmp_path / "mine.ckpt")
+        assert not os.path.exists(tmp_path / "mine.ckpt")

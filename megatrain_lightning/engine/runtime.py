@@ -153,6 +153,7 @@ class Engine:
             self.store, config.device, self.stats
         )
         self.optimizer: Any = None  # CPUAdamW once fitting
+        self.updated_before_a_failure = 0  # blocks the step a failure stopped had updated (its optimizer's)
         self._cadence = UpdateCadence()
         self.backwards = PendingBackwards()  # this pass's training calls awaiting their backward
         self.forward_changes = ForwardChanges(self.store, data_parallel=config.shard is not None)
@@ -280,6 +281,8 @@ class Engine:
     def end_stopped_run(self) -> None:
         """A failure stopped the run and is on its way to the user: from now on the store's blocks are
         read as they are, and failed reads may be tried again."""
+        if self.optimizer is not None:  # its step's updates so far stay: the weights are between steps
+            self.updated_before_a_failure = self.optimizer.updated_before_a_failure
         self.drop_optimizer()
         self.store.forget_read_failures()
 

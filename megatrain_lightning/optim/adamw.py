@@ -192,6 +192,12 @@ class CPUAdamW(Optimizer):
         """Whether the pass running now ends in an update (its closure runs inside ``step``)."""
         return self._in_step
 
+    @property
+    def updated_before_a_failure(self) -> int:
+        """Blocks a step updated before its closure raised (a backward stopped by an exception, Ctrl-C):
+        their weights are a step ahead of the others'. 0 between whole steps."""
+        return 0 if self._in_step else self.updates.submitted_count()
+
     def block_ready(self, block: int) -> None:
         """The engine's signal that ``block``'s gradients are final for this backward: in a stepping pass its
         update starts now, or with deferred updates its norms are taken for clipping (if clipped by norm)."""

@@ -74,8 +74,12 @@ class UpdateQueue:
             return block in self._submitted
 
     def any_submitted(self) -> bool:
+        return self.submitted_count() > 0
+
+    def submitted_count(self) -> int:
+        """Blocks whose update this step submitted."""
         with self._lock:
-            return bool(self._submitted)
+            return len(self._submitted)
 
     def new_step(self) -> None:
         with self._lock:

@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from megatrain_lightning.optim import codecs
@@ -102,6 +102,26 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
     except OSError as err:
         writer.abandon()
         raise_write_failure(err, writer.path)
+
+
+def between_steps(engine: Any, path: str) -> bool:
+    """Whether the module's weights are those of whole steps, as a checkpoint must hold: not after a step's
+    backward stopped (an exception, Ctrl-C) once some blocks were updated (plain Lightning updates nothing
+    then; resuming from such weights would train differently). Said by an error, or by a warning while an
+    exception is handled (``OnExceptionCheckpoint``): raising there would hide it and skip the teardown."""
+    optimizer = engine.optimizer
+    updated = optimizer.updated_before_a_failure if optimizer is not None else engine.updated_before_a_failure
+    if not updated:
+        return True
+    message = (
+        f"megatrain: no checkpoint written to {path}: the last step stopped during its backward after "
+        f"{updated} of {len(engine.blocks)} blocks were updated, so the weights are between two steps. "
+        "Resume from the checkpoint written before it."
+    )
+    if sys.exc_info()[1] is None:
+        raise RuntimeError(message)
+    rank_zero_warn(message)
+    return False
 
 
 def raise_write_failure(err: OSError, path: str) -> NoReturn:
