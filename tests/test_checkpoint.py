@@ -16,7 +16,15 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import UserLM, assert_same_training, peak_rss_script, tiny_model, token_batches, user_fit
+from conftest import (
+    UserLM,
+    assert_same_training,
+    peak_rss_script,
+    quiet_trainer,
+    tiny_model,
+    token_batches,
+    user_fit,
+)
 from transformers import AutoModelForCausalLM
 
 from megatrain_lightning import MegaTrainStrategy, open_checkpoint
@@ -549,16 +557,8 @@ def test_no_checkpoint_holds_a_step_cut_short_by_an_exception_in_its_backward(tm
     clip = {"gradient_clip_val": 1.0} if deferred else {}
     saved = L.pytorch.callbacks.OnExceptionCheckpoint(tmp_path)
     module = StopsInTheThirdBackward(tiny_model("llama"))
-    trainer = L.Trainer(
-        strategy=MegaTrainStrategy(),
-        callbacks=[saved],
-        accelerator="cpu",
-        max_steps=6,
-        logger=False,
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **clip,
+    trainer = quiet_trainer(
+        MegaTrainStrategy(), 6, [saved], enable_checkpointing=True, default_root_dir=tmp_path, **clip
     )
     batches = torch.utils.data.DataLoader(token_batches(6), batch_size=None)
     warned = pytest.warns(UserWarning, match="between two steps") if not deferred else nullcontext()
