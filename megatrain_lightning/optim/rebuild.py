@@ -20,6 +20,10 @@ _UNSUPPORTED_FLAGS = {
 }
 
 
+# The user's AdamW defaults CPUAdamW takes: a group added later (`BaseFinetuning`) gets them, as in torch.
+_DEFAULTS = ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused")
+
+
 def cpu_adamw_from(optimizer: Optimizer, cls: type[CPUAdamW] = CPUAdamW, **kwargs: Any) -> CPUAdamW:
     """Rebuild a ``torch.optim.AdamW``/``Adam`` (any param groups) as a ``CPUAdamW`` (or subclass ``cls``).
 
@@ -40,14 +44,10 @@ def cpu_adamw_from(optimizer: Optimizer, cls: type[CPUAdamW] = CPUAdamW, **kwarg
                 f"megatrain's CPU AdamW does not support `{flag}=True` ({why}); set it to False."
             )
     decoupled = type(optimizer) is torch.optim.AdamW or bool(optimizer.defaults.get("decoupled_weight_decay"))
-    # The user's defaults: a group added later (`BaseFinetuning` unfreezing a layer) takes them, as in torch.
     defaults = {name: optimizer.defaults[name] for name in _DEFAULTS if name in optimizer.defaults}
     return _named_like(cls, type(optimizer).__name__)(
         optimizer.param_groups, decoupled_weight_decay=decoupled, **defaults, **kwargs
     )
-
-
-_DEFAULTS = ("lr", "betas", "eps", "weight_decay", "maximize", "foreach", "fused")
 
 
 @functools.cache
