@@ -1,5 +1,6 @@
 """megatrain_lightning: train models larger than GPU memory with ``Trainer(strategy="megatrain")``."""
 
+from megatrain_lightning.hf_args import UnsupportedArgumentWarning
 from megatrain_lightning.hf_trainer import Trainer, init
 from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.precision import MegaTrainPrecision
@@ -13,6 +14,7 @@ __all__ = [
     "MegaTrainPrecision",
     "MegaTrainStrategy",
     "Trainer",
+    "UnsupportedArgumentWarning",
     "convert_checkpoint",
     "export_hf",
     "from_pretrained",

@@ -23,7 +23,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
@@ -31,65 +30,13 @@ from transformers import PreTrainedModel, TrainingArguments, default_data_collat
 from transformers.trainer_utils import TrainOutput
 from typing_extensions import override
 
+from megatrain_lightning.hf_args import UnsupportedArgumentWarning, check_arguments, check_trainer, strategy
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.strategy import MegaTrainStrategy
 from megatrain_lightning.telemetry.monitor import MegaTrainMonitor, with_progress_bar
 
 _STRATEGY_OPTIONS: dict[str, Any] = {}
 _MODEL_INPUTS = ("input_ids", "attention_mask", "labels")
-
-# TrainingArguments that cannot be honoured, with what to do instead; warned about when set.
-_UNSUPPORTED = {
-    "fp16": "megatrain computes in bf16 or fp32; use bf16=True",
-    "bf16_full_eval": "evaluation uses the training precision",
-    "fp16_full_eval": "evaluation uses the training precision",
-    "tf32": "set torch.backends.cuda.matmul.allow_tf32 yourself",
-    "deepspeed": "megatrain replaces DeepSpeed: it pages the model through one GPU itself",
-    "fsdp": "megatrain trains on one device",
-    "fsdp_config": "megatrain trains on one device",
-    "parallelism_config": "megatrain trains on one device",
-    "gradient_checkpointing_kwargs": "megatrain checkpoints each block itself (activation_checkpointing)",
-    "activation_checkpointing_kwargs": "megatrain checkpoints each block itself (activation_checkpointing)",
-    "torch_compile": "compiled models cannot be paged block by block",
-    "use_liger_kernel": "not supported",
-    "label_smoothing_factor": "the model's own loss is used",
-    "neftune_noise_alpha": "not supported",
-    "optim_args": "megatrain's CPU AdamW takes no extra arguments",
-    "optim_target_modules": "megatrain trains every parameter",
-    "auto_find_batch_size": "set per_device_train_batch_size (megatrain plan helps size it)",
-    "torch_empty_cache_steps": "megatrain's device memory is a fixed pool of slots",
-    "include_num_input_tokens_seen": "MegaTrainMonitor logs tokens_per_s instead",
-    "logging_first_step": "not supported",
-    "eval_on_start": "not supported",
-    "load_best_model_at_end": "load a checkpoint from output_dir yourself",
-    "push_to_hub": "not supported",
-    "resume_from_checkpoint": "pass it to Trainer.train(resume_from_checkpoint=...)",
-    "label_names": "batches must hold `labels` (or none: the inputs are the labels)",
-}
-
-
-# TrainingArguments.optim values that run AdamW's math (fp32 state, or the low-bit state megatrain's
-# `optimizer_compression` gives); any other optimizer is refused, as `configure_optimizers` returning one is.
-_ADAMW = (
-    "adamw_torch",
-    "adamw_torch_fused",
-    "adamw_torch_xla",
-    "adamw_torch_npu_fused",
-    "adamw_apex_fused",  # transformers < 5
-    "adamw_anyprecision",
-    "paged_adamw_32bit",
-)
-_LOW_BIT_ADAMW = {
-    "adamw_torch_8bit": "int8",
-    "adamw_bnb_8bit": "int8",
-    "adamw_8bit": "int8",
-    "paged_adamw_8bit": "int8",
-    "adamw_torch_4bit": "int4",
-}
-
-
-class UnsupportedArgumentWarning(UserWarning):
-    """A ``TrainingArguments`` field or ``Trainer`` argument that megatrain ignores."""
 
 
 def init(
@@ -114,10 +61,6 @@ def init(
     MegaTrainStrategy(**options)
     _STRATEGY_OPTIONS.clear()
     _STRATEGY_OPTIONS.update(options)
-
-
-def _is_set(value: Any) -> bool:
-    return bool(value) and value not in ("no", "none")
 
 
 def _interval(value: float, total_steps: int) -> int:
@@ -215,9 +158,8 @@ class Trainer:
         **kwargs: Any,
     ) -> None:
         self.args = args if args is not None else TrainingArguments(output_dir="trainer_output")
-        for name in kwargs:
-            warnings.warn(f"mt.Trainer ignores `{name}`", UnsupportedArgumentWarning, stacklevel=2)
-        _warn_unsupported(self.args)
+        check_trainer(type(self), kwargs, eval_dataset, self.args)
+        check_arguments(self.args, _STRATEGY_OPTIONS)
         self.model = model
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -243,18 +185,24 @@ class Trainer:
         L.seed_everything(a.seed, workers=True)
         train_loader = self._loader(self.train_dataset, a.per_device_train_batch_size, train=True)
         total = self._total_steps(train_loader)
-        evaluate = self.eval_dataset is not None and _strategy(a.eval_strategy) != "no"
+        evaluate = self.eval_dataset is not None and strategy(a.eval_strategy) != "no"
         kwargs: dict[str, Any] = {}
-        if evaluate and _strategy(a.eval_strategy) == "steps":
+        if evaluate and strategy(a.eval_strategy) == "steps":
             every = _interval(a.eval_steps or a.logging_steps, total)
             kwargs.update(
                 val_check_interval=every * a.gradient_accumulation_steps, check_val_every_n_epoch=None
             )
         elif not evaluate:
             kwargs.update(limit_val_batches=0)
+        last = os.path.join(a.output_dir, "checkpoints", "last.ckpt")
+        if resume_from_checkpoint is True and not os.path.exists(last):
+            raise ValueError(f"mt.Trainer: no checkpoint to resume from: {last} does not exist.")
         self.trainer = self._lightning_trainer(
             max_steps=total,
             callbacks=with_progress_bar(self._callbacks(total), not a.disable_tqdm),
+            # With save_strategy="no" nothing is saved: Lightning's own checkpointing would save the whole
+            # model and its optimizer state.
+            enable_checkpointing=strategy(a.save_strategy) in ("steps", "epoch"),
             accumulate_grad_batches=a.gradient_accumulation_steps,
             gradient_clip_val=a.max_grad_norm or None,
             log_every_n_steps=_log_interval(a.logging_steps, total),
@@ -272,6 +220,11 @@ class Trainer:
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
         return TrainOutput(self.trainer.global_step, loss, dict(metrics, train_loss=loss))
 
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The model as a Hugging Face directory (``from_pretrained`` reads it), by default ``output_dir``;
+        its weights are read from megatrain's store."""
+        self.model.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
+
     def evaluate(self, eval_dataset: Dataset | None = None) -> dict[str, float]:
         """Loss and perplexity on ``eval_dataset`` (default: the one given at construction)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -285,7 +238,7 @@ class Trainer:
 
     def _lightning_trainer(self, **kwargs: Any) -> L.Trainer:
         a = self.args
-        logging = _strategy(a.logging_strategy) != "no"
+        logging = strategy(a.logging_strategy) != "no"
         return L.Trainer(
             strategy=MegaTrainStrategy(**_STRATEGY_OPTIONS),
             accelerator="cpu" if a.use_cpu else "auto",
@@ -302,9 +255,9 @@ class Trainer:
     def _callbacks(self, total_steps: int) -> list[Callback]:
         a = self.args
         callbacks: list[Callback] = [MegaTrainMonitor()]
-        if _strategy(a.logging_strategy) != "no":
+        if strategy(a.logging_strategy) != "no":
             callbacks.append(LearningRateMonitor(logging_interval="step"))
-        save = _strategy(a.save_strategy)
+        save = strategy(a.save_strategy)
         if save in ("steps", "epoch"):
             every = {"every_n_train_steps": _interval(a.save_steps, total_steps)} if save == "steps" else {}
             callbacks.append(
@@ -377,47 +330,3 @@ class _SaveAsHuggingFace(ModelCheckpoint):
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
-
-
-def _strategy(value: Any) -> str:
-    """The string of an ``IntervalStrategy``/``SaveStrategy`` member or of a plain string."""
-    return str(getattr(value, "value", value))
-
-
-def _check_optimizer(optim: str) -> None:
-    """AdamW runs as asked; AdamW with low-bit state asked here says where megatrain's is set; another
-    optimizer would train other math: refused."""
-    compression = _LOW_BIT_ADAMW.get(optim)
-    if compression is not None and _STRATEGY_OPTIONS.get("optimizer_compression", "none") in ("none", False):
-        warnings.warn(
-            f"TrainingArguments.optim={optim!r} asks for AdamW with {compression} state; megatrain's "
-            f"optimizer state is set by `mt.init(optimizer_compression={compression!r})`, and is fp32 now.",
-            UnsupportedArgumentWarning,
-            stacklevel=4,
-        )
-    elif compression is None and optim not in _ADAMW:
-        raise MisconfigurationException(
-            f"mt.Trainer: TrainingArguments.optim={optim!r} is not AdamW; megatrain runs AdamW on the CPU "
-            "(its update overlaps the backward). Use optim='adamw_torch' (the default), or train with "
-            "Hugging Face's Trainer."
-        )
-
-
-def _warn_unsupported(args: TrainingArguments) -> None:
-    for name, instead in _UNSUPPORTED.items():
-        value = getattr(args, name, None)
-        if _is_set(value):
-            warnings.warn(
-                f"mt.Trainer ignores TrainingArguments.{name}={value!r}: {instead}.",
-                UnsupportedArgumentWarning,
-                stacklevel=3,
-            )
-    _check_optimizer(_strategy(args.optim))
-    reporters = [r for r in (args.report_to or []) if r not in ("none", "all")]
-    if reporters:
-        warnings.warn(
-            f"mt.Trainer ignores TrainingArguments.report_to={reporters}: metrics go to a CSV logger "
-            f"under {args.output_dir}/logs.",
-            UnsupportedArgumentWarning,
-            stacklevel=3,
-        )

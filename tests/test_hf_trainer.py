@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from transformers import TrainingArguments
+from transformers import AutoModelForCausalLM, TrainingArguments
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning import hf_trainer as mt
@@ -120,15 +120,78 @@ def test_unsupported_arguments_warn_once_each(tmp_path):
         label_smoothing_factor=0.1,
         optim="adamw_8bit",
         report_to=["tensorboard"],
+        eval_delay=2,
+        metric_for_best_model="loss",
+        save_only_model=True,
+        train_sampling_strategy="group_by_length",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mt.Trainer(model=tiny_model("llama"), args=args, compute_metrics=len)
     messages = [str(w.message) for w in caught if issubclass(w.category, mt.UnsupportedArgumentWarning)]
-    for name in ("fp16", "torch_compile", "label_smoothing_factor", "optim", "report_to"):
+    names = ("fp16", "torch_compile", "label_smoothing_factor", "optim", "report_to", "eval_delay")
+    names += ("metric_for_best_model", "save_only_model", "train_sampling_strategy")
+    for name in names:
         assert sum(f"TrainingArguments.{name}=" in m for m in messages) == 1, (name, messages)
     assert sum("compute_metrics" in m for m in messages) == 1
-    assert len(messages) == 6, messages
+    assert len(messages) == 10, messages
+
+
+class _OwnLoss(mt.Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss * 2
+
+
+def test_what_would_train_other_math_or_skip_asked_work_is_refused(tmp_path, windows):
+    """A loss or optimizer of the user's that mt.Trainer would not run, evaluation it cannot run, a resume
+    with nothing to resume from: errors saying what to do (each trained on silently before)."""
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    model, data = tiny_model("llama"), windows.train_set
+    cases = [
+        (lambda: _OwnLoss(model=model, args=args), "does not call `compute_loss`, which _OwnLoss overrides"),
+        (
+            lambda: mt.Trainer(
+                model=model, args=args, optimizers=(torch.optim.SGD(model.parameters()), None)
+            ),
+            "does not take `optimizers`",
+        ),
+        (
+            lambda: mt.Trainer(model=model, args=args, compute_loss_func=len),
+            "does not take `compute_loss_func`",
+        ),
+        (lambda: mt.Trainer(model=model, args=args, eval_dataset={"a": data}), "not a dict of them"),
+        (
+            lambda: mt.Trainer(model=model, args=TrainingArguments(str(tmp_path), eval_strategy="steps")),
+            "needs an eval_dataset",
+        ),
+        (
+            lambda: mt.Trainer(
+                model, TrainingArguments(str(tmp_path), lr_scheduler_type="reduce_lr_on_plateau")
+            ),
+            "reduce_lr_on_plateau",
+        ),
+        (
+            lambda: mt.Trainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint=True),
+            "no checkpoint to resume from",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises((MisconfigurationException, ValueError), match=message):
+            make()
+
+
+def test_save_strategy_no_saves_nothing_and_save_model_writes_the_trained_model(tmp_path, windows):
+    args = TrainingArguments(
+        str(tmp_path / "run"), max_steps=2, save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True
+    )
+    model = tiny_model("llama")
+    trainer = mt.Trainer(model=model, args=args, train_dataset=windows.train_set)
+    trainer.train()
+    assert not list((tmp_path / "run").rglob("*.ckpt"))  # Lightning's own checkpointing saved one
+    trainer.save_model(str(tmp_path / "model"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    trained = model.state_dict()
+    assert all(torch.equal(value, trained[name]) for name, value in saved.state_dict().items())
 
 
 def test_an_optimizer_other_than_adamw_is_refused_and_low_bit_adamw_names_megatrains_option(tmp_path):

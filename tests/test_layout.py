@@ -14,7 +14,8 @@ import megatrain_lightning
 
 CORE = ("engine", "store", "optim", "serialization")
 APPLICATION = ("megatrain_lightning.models", "megatrain_lightning.cli", "megatrain_lightning.train",
-               "megatrain_lightning.hf_trainer", "megatrain_lightning.data")  # fmt: skip
+               "megatrain_lightning.hf_trainer", "megatrain_lightning.hf_args",
+               "megatrain_lightning.data")  # fmt: skip
 PACKAGE = Path(megatrain_lightning.__file__).parent
 MAX_LINES = 460
 
