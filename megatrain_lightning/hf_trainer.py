@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
@@ -150,7 +151,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: PreTrainedModel | None = None,
         args: TrainingArguments | None = None,
         data_collator: Callable[[list[Any]], dict[str, Any]] | None = None,
         train_dataset: Dataset | None = None,
@@ -159,6 +160,8 @@ class Trainer:
     ) -> None:
         self.args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         check_trainer(type(self), kwargs, eval_dataset, self.args)
+        if model is None:
+            raise MisconfigurationException("mt.Trainer needs the model to train: `mt.Trainer(model=...)`.")
         check_arguments(self.args, _STRATEGY_OPTIONS)
         self.model = model
         self.train_dataset = train_dataset

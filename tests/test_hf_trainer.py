@@ -160,6 +160,7 @@ def test_what_would_train_other_math_or_skip_asked_work_is_refused(tmp_path, win
             "does not take `compute_loss_func`",
         ),
         (lambda: mt.Trainer(model=model, args=args, eval_dataset={"a": data}), "not a dict of them"),
+        (lambda: mt.Trainer(args=args, model_init=lambda: model), "does not take `model_init`"),
         (
             lambda: mt.Trainer(model=model, args=TrainingArguments(str(tmp_path), eval_strategy="steps")),
             "needs an eval_dataset",
