@@ -131,6 +131,13 @@ def check_arguments(args: TrainingArguments, strategy_options: dict[str, Any]) -
             UnsupportedArgumentWarning,
             stacklevel=3,
         )
+    if strategy(args.logging_strategy) == "epoch":
+        warnings.warn(
+            "mt.Trainer ignores TrainingArguments.logging_strategy='epoch': it logs every logging_steps "
+            "steps.",
+            UnsupportedArgumentWarning,
+            stacklevel=3,
+        )
     sampling = strategy(getattr(args, "train_sampling_strategy", "random"))
     if sampling not in ("random", "sequential"):
         warnings.warn(

@@ -124,17 +124,18 @@ def test_unsupported_arguments_warn_once_each(tmp_path):
         metric_for_best_model="loss",
         save_only_model=True,
         train_sampling_strategy="group_by_length",
+        logging_strategy="epoch",
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mt.Trainer(model=tiny_model("llama"), args=args, compute_metrics=len)
     messages = [str(w.message) for w in caught if issubclass(w.category, mt.UnsupportedArgumentWarning)]
     names = ("fp16", "torch_compile", "label_smoothing_factor", "optim", "report_to", "eval_delay")
-    names += ("metric_for_best_model", "save_only_model", "train_sampling_strategy")
+    names += ("metric_for_best_model", "save_only_model", "train_sampling_strategy", "logging_strategy")
     for name in names:
         assert sum(f"TrainingArguments.{name}=" in m for m in messages) == 1, (name, messages)
     assert sum("compute_metrics" in m for m in messages) == 1
-    assert len(messages) == 10, messages
+    assert len(messages) == 11, messages
 
 
 class _OwnLoss(mt.Trainer):
