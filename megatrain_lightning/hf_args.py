@@ -84,6 +84,11 @@ class UnsupportedArgumentWarning(UserWarning):
     """A ``TrainingArguments`` field or ``Trainer`` argument that megatrain ignores."""
 
 
+def _ignored(message: str) -> None:
+    """Warn of an argument mt.Trainer ignores; the warning points at the user's ``mt.Trainer(...)``."""
+    warnings.warn(f"mt.Trainer ignores {message}", UnsupportedArgumentWarning, stacklevel=4)
+
+
 def is_set(value: Any) -> bool:
     return bool(value) and value not in ("no", "none")
 
@@ -117,34 +122,21 @@ def check_arguments(args: TrainingArguments, strategy_options: dict[str, Any]) -
     for name, instead in _UNSUPPORTED.items():
         value = getattr(args, name, None)
         if is_set(value):
-            warnings.warn(
-                f"mt.Trainer ignores TrainingArguments.{name}={value!r}: {instead}.",
-                UnsupportedArgumentWarning,
-                stacklevel=3,
-            )
+            _ignored(f"TrainingArguments.{name}={value!r}: {instead}.")
     _check_optimizer(strategy(args.optim), strategy_options)
     reporters = [r for r in (args.report_to or []) if r not in ("none", "all")]
     if reporters:
-        warnings.warn(
-            f"mt.Trainer ignores TrainingArguments.report_to={reporters}: metrics go to a CSV logger "
-            f"under {args.output_dir}/logs.",
-            UnsupportedArgumentWarning,
-            stacklevel=3,
+        _ignored(
+            f"TrainingArguments.report_to={reporters}: metrics go to a CSV logger under "
+            f"{args.output_dir}/logs."
         )
     if strategy(args.logging_strategy) == "epoch":
-        warnings.warn(
-            "mt.Trainer ignores TrainingArguments.logging_strategy='epoch': it logs every logging_steps "
-            "steps.",
-            UnsupportedArgumentWarning,
-            stacklevel=3,
-        )
+        _ignored("TrainingArguments.logging_strategy='epoch': it logs every logging_steps steps.")
     sampling = strategy(getattr(args, "train_sampling_strategy", "random"))
     if sampling not in ("random", "sequential"):
-        warnings.warn(
-            f"mt.Trainer ignores TrainingArguments.train_sampling_strategy={sampling!r}: batches are drawn "
-            "at random ('random') or in order ('sequential').",
-            UnsupportedArgumentWarning,
-            stacklevel=3,
+        _ignored(
+            f"TrainingArguments.train_sampling_strategy={sampling!r}: batches are drawn at random "
+            "('random') or in order ('sequential')."
         )
     if strategy(args.lr_scheduler_type) == "reduce_lr_on_plateau":
         raise MisconfigurationException(
@@ -161,7 +153,7 @@ def check_trainer(trainer: type, kwargs: dict[str, Any], eval_dataset: Any, args
     for name, value in kwargs.items():
         if name in _REFUSED_ARGUMENTS and value is not None and value != (None, None):
             raise MisconfigurationException(f"mt.Trainer does not take `{name}`: {_REFUSED_ARGUMENTS[name]}.")
-        warnings.warn(f"mt.Trainer ignores `{name}`", UnsupportedArgumentWarning, stacklevel=3)
+        _ignored(f"`{name}`")
     overridden = [name for name in _OVERRIDABLE for cls in trainer.__mro__[:-2] if name in vars(cls)]
     if overridden:
         raise MisconfigurationException(
