@@ -36,7 +36,7 @@ from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.planner.plan import COMPRESSIONS, DTYPE_BYTES, Machine, Workload, plan_for
 from megatrain_lightning.planner.shape import PRESETS, hydra_models
 from megatrain_lightning.planner.table import format_plan
-from megatrain_lightning.serialization.checkpoint_dir import CheckpointError
+from megatrain_lightning.serialization.checkpoint_dir import CheckpointError, missing_resume_path
 from megatrain_lightning.serialization.export import export_hf
 from megatrain_lightning.serialization.single_file import convert_checkpoint
 from megatrain_lightning.strategy import MegaTrainStrategy
@@ -69,7 +69,10 @@ class MegaTrainCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         """A mistake in the strategy's options is one usage error that names it (jsonargparse, trying the
-        trainer's ``strategy`` union, would print a long traceback with the message in its middle)."""
+        trainer's ``strategy`` union, would print a long traceback with the message in its middle); so is a
+        ``ckpt_path`` that does not exist, found before the model and its store are built."""
+        if problem := missing_resume_path(self._get(self.config, "ckpt_path")):
+            self._parser_of(str(self.subcommand), self.parser).error(f"--ckpt_path: {problem}")
         strategy = self._get(self.config, "trainer.strategy")
         if not isinstance(strategy, Namespace) or not _is_megatrain(strategy.class_path):
             return

@@ -20,6 +20,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from megatrain_lightning.serialization.checkpoint_dir import missing_resume_path
 from megatrain_lightning.telemetry.monitor import with_progress_bar
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def run(cfg: DictConfig) -> float | None:
     ``ckpt_path`` resumes from a checkpoint (a path, or ``last``).
     """
     log_through_root()
+    if problem := missing_resume_path(cfg.get("ckpt_path")):
+        raise FileNotFoundError(problem)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model)

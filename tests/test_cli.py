@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from omegaconf import OmegaConf
 
 from megatrain_lightning import MegaTrainStrategy
 from megatrain_lightning.cli import COMMANDS, lightning_cli, main
 from megatrain_lightning.telemetry.monitor import StepsProgressBar
+from megatrain_lightning.train import run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "configs" / "cli" / "tiny.yaml"
@@ -368,3 +370,15 @@ def test_fit_resumes_from_ckpt_path(tmp_path):
     first.trainer.save_checkpoint(ckpt)
     second = lightning_cli(["fit", "--trainer.max_steps=3", f"--ckpt_path={ckpt}", *args])
     assert second.trainer.global_step == 3 and isinstance(second.trainer.strategy, MegaTrainStrategy)
+
+
+def test_a_ckpt_path_that_does_not_exist_is_said_before_anything_is_built(tmp_path, capsys):
+    """Lightning finds it missing only after the model and its store are built (minutes for a large
+    model): the CLI and the Hydra app say so first, and build nothing."""
+    missing = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *QUIET, f"--trainer.default_root_dir={tmp_path}", f"--ckpt_path={missing}"])
+    assert exit_.value.code == 2 and "does not exist" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="does not exist .* nothing was built"):
+        run(OmegaConf.create({"ckpt_path": str(missing), "seed": 0}))
+    assert not any(tmp_path.iterdir())

@@ -144,6 +144,10 @@ def test_convert_checkpoint_writes_one_standard_file(trained, tmp_path, capsys):
     )
     with pytest.raises(CheckpointError, match="is a directory"):
         convert_checkpoint(path, tmp_path)
+    out.write_text("someone's file")
+    with pytest.raises(SystemExit):  # the usage error, not another's file overwritten
+        cli_main(["convert", path, str(out)])
+    assert "exists; nothing was written" in capsys.readouterr().err and out.read_text() == "someone's file"
     with pytest.raises(CheckpointError, match="not a complete megatrain checkpoint"):
         megatrain_lightning.open_checkpoint(tmp_path)
 

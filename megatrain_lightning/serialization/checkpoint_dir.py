@@ -167,3 +167,23 @@ class CheckpointDir:
                 )
             whole[name] = PiecedEntry(named[0][2].dtype, shape, tuple(parts))
         return whole
+
+
+def missing_resume_path(path: Any) -> str | None:
+    """What is wrong with a ``ckpt_path`` to resume from, said before anything is built (Lightning finds it
+    missing only after the model and its store are): a local path that does not exist. Lightning's names
+    (``last``, ``best``, ``hpc``, ``registry:...``) and URLs are its own to resolve."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    text = os.fspath(path)
+    if (
+        text in ("last", "best", "hpc")
+        or text.startswith("registry")
+        or "://" in text
+        or os.path.exists(text)
+    ):
+        return None
+    return (
+        f"ckpt_path {text!r} does not exist (a megatrain checkpoint is a folder, such as "
+        "<run>/checkpoints/last.ckpt); nothing was built."
+    )

@@ -46,10 +46,12 @@ def open_checkpoint(path: str | os.PathLike) -> io.BytesIO:
 def convert_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> None:
     """Write a megatrain checkpoint directory as a standard single-file ``.ckpt`` at ``out`` (written
     under a temporary name, then renamed), which any strategy resumes with ``fit(ckpt_path=out)``.
-    ``megatrain convert CKPT OUT`` does the same from the shell."""
+    ``megatrain convert CKPT OUT`` does the same from the shell. An existing ``out`` is left as it is."""
     out = os.fspath(out)
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory; name the single checkpoint file to write.")
+    if os.path.lexists(out):
+        raise FileExistsError(f"megatrain: {out} exists; nothing was written. Name a new file, or remove it.")
     state = to_lightning(path, copies=1)
     tmp = f"{out}.tmp-{os.getpid()}"
     nbytes = sum(t.nbytes for t in tree_flatten(state)[0] if isinstance(t, Tensor))
