@@ -13,11 +13,13 @@ Composes ``configs/train.yaml`` from the groups ``model/``, ``data/``, ``strateg
 from __future__ import annotations
 
 import logging
+import typing
 from typing import Any
 
 import hydra
 import lightning as L
 from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from megatrain_lightning.serialization.checkpoint_dir import missing_resume_path
@@ -46,6 +48,17 @@ def instantiate_named(cfg: DictConfig | None) -> list[Any]:
     return [instantiate(entry) for entry in cfg.values() if entry is not None]
 
 
+def check_trainer_options(options: dict[str, Any]) -> None:
+    """Text given where Lightning's ``Trainer`` takes a number or a flag (``trainer.max_steps=abc``) is an
+    error naming the option: Lightning would fail deep inside its loop with a ``TypeError``."""
+    hints = typing.get_type_hints(L.Trainer.__init__)
+    for name, value in options.items():
+        accepted = set(typing.get_args(hints.get(name))) or {hints.get(name)}
+        if isinstance(value, str) and accepted <= {int, float, bool, type(None)}:
+            kinds = " or ".join(kind.__name__ for kind in (int, float, bool) if kind in accepted)
+            raise MisconfigurationException(f"trainer.{name} takes {kinds}; got {value!r}.")
+
+
 def log_through_root() -> None:
     """Lightning prints through a handler of its own when the root logger had none at import time,
     which keeps its messages out of Hydra's ``train.log``; hand them to the root logger's handlers."""
@@ -69,11 +82,12 @@ def run(cfg: DictConfig) -> float | None:
     log_through_root()
     if problem := missing_resume_path(cfg.get("ckpt_path")):
         raise FileNotFoundError(problem)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    check_trainer_options(trainer_kwargs)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model)
     strategy = build_strategy(cfg.get("strategy"))
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     callbacks = instantiate_named(cfg.get("callbacks"))
     trainer = L.Trainer(
         strategy=strategy,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf import OmegaConf
 
@@ -382,3 +383,13 @@ def test_a_ckpt_path_that_does_not_exist_is_said_before_anything_is_built(tmp_pa
     with pytest.raises(FileNotFoundError, match="does not exist .* nothing was built"):
         run(OmegaConf.create({"ckpt_path": str(missing), "seed": 0}))
     assert not any(tmp_path.iterdir())
+
+
+def test_text_where_the_trainer_takes_a_number_is_said_by_name():
+    """Lightning would take `trainer.max_steps=abc` and fail inside its loop with a TypeError."""
+    for option, message in (
+        ("max_steps", "takes int; got 'abc'"),
+        ("gradient_clip_val", "takes int or float"),
+    ):
+        with pytest.raises(MisconfigurationException, match=f"trainer.{option} {message}"):
+            run(OmegaConf.create({"trainer": {option: "abc"}, "seed": 0}))

@@ -26,7 +26,9 @@ def prepare_offload_dir(path: str) -> str:
     """Create ``path`` if needed and check that it is a writable directory."""
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise MisconfigurationException(f"`offload_dir={path!r}` exists and is not a directory.")
+        raise MisconfigurationException(
+            f"`offload_dir={path!r}` exists and is not a directory; choose another folder."
+        )
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -36,7 +38,7 @@ def prepare_offload_dir(path: str) -> str:
         raise MisconfigurationException(
             f"`offload_dir={path!r}` is not a writable directory and cannot be made one ({failed}); "
             "choose another folder."
-        ) from err
+        ) from None  # the message says what failed: the chained traceback would bury it
     return path
 
 
@@ -45,7 +47,9 @@ def check_offload_dir(path: str) -> None:
     directory, or the folder it would be created in is not writable."""
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise MisconfigurationException(f"`offload_dir={path!r}` exists and is not a directory.")
+        raise MisconfigurationException(
+            f"`offload_dir={path!r}` exists and is not a directory; choose another folder."
+        )
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
