@@ -9,7 +9,8 @@
 honour onto Lightning (batch size, accumulation, AdamW hyperparameters, the ``transformers``
 scheduler and warmup, clipping, steps or epochs, logging, saving and evaluation intervals,
 ``output_dir``, ``bf16``, seeds, data loading). Each argument it cannot honour is named in one
-:class:`UnsupportedArgumentWarning`; one that would train other math if ignored is refused (:mod:`.hf_args`). Datasets yield dicts with ``input_ids`` (and optionally
+:class:`UnsupportedArgumentWarning`; one that would train other math if ignored is refused
+(:mod:`.hf_args`). Datasets yield dicts with ``input_ids`` (and optionally
 ``attention_mask`` and ``labels``; without labels the inputs are the labels, padding masked).
 """
 
