@@ -22,13 +22,17 @@ def available_ram_bytes() -> int:
     return psutil.virtual_memory().available
 
 
-def prepare_offload_dir(path: str) -> str:
-    """Create ``path`` if needed and check that it is a writable directory."""
-    path = os.path.abspath(path)
+def _refuse_a_file(path: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise MisconfigurationException(
             f"`offload_dir={path!r}` exists and is not a directory; choose another folder."
         )
+
+
+def prepare_offload_dir(path: str) -> str:
+    """Create ``path`` if needed and check that it is a writable directory."""
+    path = os.path.abspath(path)
+    _refuse_a_file(path)
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -46,10 +50,7 @@ def check_offload_dir(path: str) -> None:
     """What :func:`prepare_offload_dir` would refuse, found without creating anything: ``path`` is not a
     directory, or the folder it would be created in is not writable."""
     path = os.path.abspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise MisconfigurationException(
-            f"`offload_dir={path!r}` exists and is not a directory; choose another folder."
-        )
+    _refuse_a_file(path)
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
