@@ -24,11 +24,13 @@ from megatrain_lightning.engine.captures import Captures
 from megatrain_lightning.engine.recompute import (
     ESCAPED,
     ForwardState,
+    FreshCache,
     cache_length,
     discarding_saved_tensors,
     is_cache,
     noting_changed_buffers,
 )
+from megatrain_lightning.engine.shared_inputs import carried_sums, hand_on, uses_in
 from megatrain_lightning.telemetry.timeline import TIMELINE
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ class Call:
 
     def run(self, tensors: tuple[Tensor, ...] | list[Tensor], recompute: bool = False) -> list[Tensor]:
         """The block's output tensors, then the tensors its layers handed to the model's collector."""
-        flat = list(self.flat)
+        flat = [leaf.copy() if isinstance(leaf, FreshCache) else leaf for leaf in self.flat]
         for i, t in zip(self.positions, tensors, strict=True):
             flat[i] = _as_non_leaf(t)
         args, kwargs = tree_unflatten(flat, self.spec)
@@ -228,6 +230,7 @@ class PagedCall(torch.autograd.Function):
                     outputs = off_slot(call.run(inputs), slot)
             ctx.graph = (outputs, inputs, leaves)
         check_graph(site, call, outputs, inputs, leaves)
+        ctx.takers = engine.shared_inputs.note(ctx, tensors, uses_in(outputs, inputs))
         returned = tuple(o.detach() for o in outputs)
         ctx.mark_non_differentiable(*[o for o in returned if not o.is_floating_point()])
         ctx.set_materialize_grads(False)
@@ -268,6 +271,7 @@ class PagedCall(torch.autograd.Function):
             wrt_inputs = [t for t in inputs if t.requires_grad]
             wrt_leaves = {i: t for i, t in leaves.items() if t.requires_grad}
             wrt = wrt_inputs + list(wrt_leaves.values())
+            pairs += carried_sums(ctx, ctx.takers, inputs)  # autograd runs these roots first
             if pairs and wrt:
                 grads = torch.autograd.grad(
                     [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
@@ -279,4 +283,6 @@ class PagedCall(torch.autograd.Function):
             ctx.slot_holder.clear()
         engine.offload(site, wrt_leaves, list(grads[len(wrt_inputs) :]), last_use)
         input_grads = iter(grads[: len(wrt_inputs)])
-        return (None, None, None, None, *[next(input_grads) if t.requires_grad else None for t in inputs])
+        returned = [next(input_grads) if t.requires_grad else None for t in inputs]
+        hand_on(ctx, ctx.takers, returned)
+        return (None, None, None, None, *returned)

@@ -5,20 +5,24 @@ The rule follows ``torch.utils.checkpoint``'s non-reentrant semantics: both runs
 mode the plain model would use, with the same RNG and autocast state. Beyond it, buffers the first run
 changed (BatchNorm's running statistics, spectral norm's power-iteration vectors) are as they were
 before it during the recompute and as the first run left them after: each forward updates them once,
-as in the plain model. And, as Hugging Face's own
-``GradientCheckpointingLayer`` does, a recomputed block never receives a key/value cache in a training
-pass: ``DynamicCache.update`` appends, so a recompute would attend over every key twice (or crash on a
-shape mismatch for models that build explicit masks). A block that runs once (no checkpointing) and
-inference keep the cache, as the plain model does: some models compute otherwise without one (Zamba2's
-Mamba2 mixers take a fused scan), which is exact but rounds differently.
+as in the plain model. And each run of a checkpointed block in a training pass gets its own empty copy
+of the key/value cache the model hands it (:class:`FreshCache`): ``DynamicCache.update`` appends, so a
+recompute given the model's cache would attend over every key twice (or crash on a shape mismatch for
+models that build explicit masks), and dropping the cache, as Hugging Face's own
+``GradientCheckpointingLayer`` does, changes the rounding (``update`` returns contiguous copies of the
+keys and values, which the attention's matmuls round otherwise than the views; Zamba2's Mamba2 mixers take
+a fused scan without a cache). The model's own cache stays empty. A block that runs once (no
+checkpointing) and inference get the model's cache, as in the plain model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,37 +37,66 @@ CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "layer_past", 
 def training_arguments(
     module: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any]]:
-    """``args``/``kwargs`` for a checkpointed call of ``module``: caches dropped, ``use_cache`` off.
+    """``args``/``kwargs`` for a checkpointed call of ``module``: a Hugging Face cache stands for an empty
+    copy of it per run (:class:`FreshCache`); any other cache argument (a legacy tuple) is dropped, with
+    ``use_cache`` off.
 
     Layers that only read their cache say so with HF's ``_can_checkpoint_with_cache`` and keep it.
     """
     keep_cache = getattr(module, "_can_checkpoint_with_cache", False)
+    fresh = not keep_cache and any(is_cache(value) for value in (*args, *kwargs.values()))
     names = _positional_names(forward)
     new_args = tuple(
-        _scrubbed(names[i] if i < len(names) else None, value, keep_cache) for i, value in enumerate(args)
+        _scrubbed(names[i] if i < len(names) else None, value, keep_cache, fresh)
+        for i, value in enumerate(args)
     )
-    new_kwargs = {name: _scrubbed(name, value, keep_cache) for name, value in kwargs.items()}
+    new_kwargs = {name: _scrubbed(name, value, keep_cache, fresh) for name, value in kwargs.items()}
     return new_args, new_kwargs
 
 
-def _scrubbed(name: str | None, value: Any, keep_cache: bool) -> Any:
-    if name == "use_cache" and value:
+def _scrubbed(name: str | None, value: Any, keep_cache: bool, fresh: bool) -> Any:
+    if name == "use_cache" and value and not fresh:
         return False
     if keep_cache or value is None:
         return value
-    if name in CACHE_ARGUMENTS or is_cache(value):
+    if is_cache(value):
         if cache_length(value):
             raise RuntimeError(CACHE_IN_TRAINING.format(length=cache_length(value)))
+        return FreshCache.of(value)
+    if name in CACHE_ARGUMENTS:
         return None
     return value
+
+
+@dataclass(frozen=True, eq=False)
+class FreshCache:
+    """A key/value cache in a checkpointed block's arguments: each run of the block (its forward and its
+    recompute) gets an empty copy of it, so it computes as with the cache the plain model gives it and
+    appends nothing twice. One per model cache (a forward's blocks share it)."""
+
+    empty: Any  # a copy of the model's cache as the forward made it (it holds no positions)
+
+    @classmethod
+    def of(cls, cache: Any) -> FreshCache:
+        fresh = _FRESH.get(cache)
+        if fresh is None:
+            fresh = _FRESH[cache] = cls(copy.deepcopy(cache))
+        return fresh
+
+    def copy(self) -> Any:
+        return copy.deepcopy(self.empty)
+
+
+_FRESH: weakref.WeakKeyDictionary[Any, FreshCache] = weakref.WeakKeyDictionary()
 
 
 CACHE_IN_TRAINING = (
     "megatrain: a layer got a key/value cache holding {length} positions in a forward that computes "
     "gradients (a prompt encoded before, attended to by a continuation). Under activation checkpointing "
-    "each layer runs again in backward, so megatrain drops caches in such forwards, as Hugging Face's "
-    "gradient checkpointing does (a cache such a forward returns is empty), and these positions would be "
-    "lost. Use `MegaTrainStrategy(activation_checkpointing=False)` to attend over a cache encoded under "
+    "each layer runs again in backward, so megatrain gives each run of a layer in such forwards an empty "
+    "copy of the cache (the cache such a forward returns stays empty, as under Hugging Face's gradient "
+    "checkpointing), and these positions would be lost. Use "
+    "`MegaTrainStrategy(activation_checkpointing=False)` to attend over a cache encoded under "
     "`torch.no_grad()`, or give the whole sequence to one forward."
 )
 
@@ -210,9 +243,9 @@ def noting_changed_buffers(module: torch.nn.Module, state: ForwardState) -> Iter
                     copies[id(b)] = b.clone()
                 before.append((m, name, b, copies[id(b)] if persistent else None))
     yield
-    for m, name, buffer, copy in before:
-        if copy is not None or m._buffers.get(name, _ABSENT) is not buffer:
-            state.buffers[(m, name)] = buffer if copy is None else copy
+    for m, name, buffer, saved in before:
+        if saved is not None or m._buffers.get(name, _ABSENT) is not buffer:
+            state.buffers[(m, name)] = buffer if saved is None else saved
 
 
 ESCAPED = (

@@ -65,6 +65,7 @@ from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
 from megatrain_lightning.engine.placeholders import weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
+from megatrain_lightning.engine.shared_inputs import SharedInputs
 from megatrain_lightning.engine.slots import Pools, SlotLayout, slot_pools
 from megatrain_lightning.engine.trace import PendingBackwards, UpdateCadence
 from megatrain_lightning.engine.weights import StoredWeights
@@ -156,6 +157,7 @@ class Engine:
         self.updated_before_a_failure = 0  # blocks the step a failure stopped had updated (its optimizer's)
         self._cadence = UpdateCadence()
         self.backwards = PendingBackwards()  # this pass's training calls awaiting their backward
+        self.shared_inputs = SharedInputs()  # tensors several calls take: their gradient summed use by use
         self.forward_changes = ForwardChanges(self.store, data_parallel=config.shard is not None)
         self._anchor = torch.zeros((), requires_grad=True)
         self.outside_uses = OutsideUses(self.grads, data_parallel=config.shard is not None)

@@ -88,7 +88,8 @@ class ModelShape:
         cls, block_numels: Sequence[int], config: PretrainedConfig, fp32_numels: Sequence[int] = ()
     ) -> ModelShape:
         """From the engine's blocks (``[b.numel for b in blocks]``, and ``mixed_fp32_numels(blocks)``) and
-        the model's (text) config; widths given per layer (Gemma-3n, Gemma-4) count at their largest."""
+        the model's (text) config; widths given per layer (Gemma-3n, Gemma-4) count at their largest. A model
+        without a vocabulary (a vision or audio encoder: ``ViTConfig``) computes no logits."""
         config = config.get_text_config()
         hidden = config.hidden_size
         experts = _largest(getattr(config, "num_experts_per_tok", None)) or 1
@@ -105,8 +106,8 @@ class ModelShape:
             tuple(block_numels),
             hidden,
             width,
-            config.num_hidden_layers,
-            config.vocab_size,
+            getattr(config, "num_hidden_layers", None) or len(block_numels),
+            getattr(config, "vocab_size", None) or 0,
             tuple(fp32_numels),
         )
 
