@@ -33,6 +33,7 @@ from megatrain_lightning.precision import MegaTrainPrecision
 from megatrain_lightning.ranks import RankedStrategy, StartMethod
 from megatrain_lightning.serialization import checkpoint as checkpointing
 from megatrain_lightning.serialization import ranked as ranked_checkpoint
+from megatrain_lightning.serialization.hooked_state_dict import HandedStateDict, meta_state_dict
 from megatrain_lightning.serialization.initialization import InitRecorder
 from megatrain_lightning.serialization.meta import init_on_meta
 from megatrain_lightning.serialization.publish import recover
@@ -40,14 +41,12 @@ from megatrain_lightning.store import sizing
 from megatrain_lightning.store.disk import DiskStore
 from megatrain_lightning.store.layout import Block
 from megatrain_lightning.store.preflight import (
-    available_ram_bytes,
     check_host_ram,
     check_offload_dir,
+    check_state_dict_fits,
     remove_empty_dirs,
 )
 from megatrain_lightning.telemetry.stats import EngineStats
-
-_GB = 1e9
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -160,6 +159,7 @@ class MegaTrainStrategy(RankedStrategy):
             check_host_ram(self.max_cpu_gb)
         self.engine: Engine | None = None
         self._checkpoint_size_logged = False
+        self._handed: HandedStateDict | None = None  # the state dict the checkpoint hooks were handed
 
     # -- ranks (see megatrain_lightning.ranks) --
 
@@ -329,8 +329,6 @@ class MegaTrainStrategy(RankedStrategy):
         self.engine.wait_all()
         self.engine.begin_pass(kind)
 
-    # -- state --
-
     # -- checkpoints: directories streamed from and into the store --
 
     @property
@@ -342,20 +340,14 @@ class MegaTrainStrategy(RankedStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full fp32 weights, like a plain ``state_dict``: views of the store in the host tier, a copy
         read from disk in the disk tier (an error where that copy would not fit in RAM). Lightning's own
-        checkpointing gets nothing here: ``save_checkpoint`` streams the weights block by block."""
-        if self.offload_dir is None or self.engine is None:
-            return super().lightning_module_state_dict()
-        if checkpointing.called_by_checkpoint_connector():
-            return {}
-        need = sizing.region_bytes(self.engine.blocks)
-        available = available_ram_bytes()
-        if need > available:
-            raise MisconfigurationException(
-                f"The model's weights ({need / _GB:.2f} GB in fp32) live on disk under `offload_dir` and "
-                f"do not fit in the {available / _GB:.2f} GB of RAM available, so no full state dict can be "
-                "built. Save with `trainer.save_checkpoint(path)` (it streams the weights block by block) "
-                "and export them with `megatrain_lightning.export_hf(path, out_dir)`."
-            )
+        checkpointing gets the views, or nothing in the disk tier (``save_checkpoint`` streams the weights
+        block by block); what it gets is kept, to refuse a hook's change of it."""
+        if self.engine is not None and checkpointing.called_by_checkpoint_connector():
+            state_dict = super().lightning_module_state_dict() if self.offload_dir is None else {}
+            self._handed = HandedStateDict.of(state_dict)
+            return state_dict
+        if self.offload_dir is not None and self.engine is not None:
+            check_state_dict_fits(sizing.region_bytes(self.engine.blocks))
         return super().lightning_module_state_dict()
 
     @override
@@ -373,6 +365,9 @@ class MegaTrainStrategy(RankedStrategy):
         (:mod:`megatrain_lightning.serialization.ranked`); any number of ranks can load it."""
         engine = self.engine
         assert engine is not None
+        handed, self._handed = self._handed, None
+        if handed is not None:
+            handed.check_saved(checkpoint.get("state_dict"))
         engine.wait_all()
         if not checkpointing.between_steps(engine, filepath):
             return
@@ -397,7 +392,8 @@ class MegaTrainStrategy(RankedStrategy):
         ckpt = ranked_checkpoint.verify(checkpoint_path, self.engine.config.shard)
         checkpointing.check_compatible(ckpt, self.engine)
         state = ckpt.lightning_state()
-        state["state_dict"] = {}
+        state["state_dict"] = meta_state_dict(ckpt)  # what the hooks see: names, shapes, dtypes
+        self._handed = HandedStateDict.of(state["state_dict"])
         state["megatrain_checkpoint"] = ckpt
         return state
 
@@ -406,6 +402,9 @@ class MegaTrainStrategy(RankedStrategy):
         ckpt = checkpoint.get("megatrain_checkpoint")
         if ckpt is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        handed, self._handed = self._handed, None
+        if handed is not None:
+            handed.check_loaded(checkpoint.get("state_dict"))
         load = functools.partial(checkpointing.load_weights, ckpt, self.engine, self.lightning_module)
         ranked_checkpoint.on_every_rank(self.engine.config.shard, load)
         checkpointing.restore_rng(checkpoint, self.root_device)

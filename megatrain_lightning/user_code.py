@@ -1,7 +1,8 @@
 """What megatrain reads from the user's Trainer and LightningModule before it trains: what it cannot serve
-(weight-averaging callbacks, compiled modules, router logits on an old transformers), weights it trains
-otherwise than cast, whether user code looks at the summed gradients before the optimizer step, and
-Hugging Face's own activation checkpointing, which megatrain's block recompute takes over."""
+(weight-averaging callbacks, a checkpoint IO plugin, compiled modules, router logits on an old
+transformers), weights it trains otherwise than cast, whether user code looks at the summed gradients
+before the optimizer step, and Hugging Face's own activation checkpointing, which megatrain's block
+recompute takes over."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def check_before_training(trainer: pl.Trainer) -> None:
     """Refuse, before anything is built, what megatrain cannot serve in the user's Trainer and module, and
     warn where it trains otherwise than asked."""
     _refuse_weight_callbacks(trainer)
+    _refuse_checkpoint_io(trainer)
     _refuse_compiled_modules(trainer.lightning_module)
     if trainer.state.fn == TrainerFn.FITTING and not routes_captures():
         _refuse_router_logits(trainer.lightning_module)
@@ -64,6 +66,29 @@ def _refuse_weight_callbacks(trainer: pl.Trainer) -> None:
                 "weight by `weight_orig * mask`, computed in a forward hook outside megatrain's store of "
                 "the layer's weights. Remove the callback, or train with the default strategy."
             )
+
+
+def _refuse_checkpoint_io(trainer: pl.Trainer) -> None:
+    """megatrain writes and reads its checkpoint folders itself, each block streamed from or into its store:
+    a ``CheckpointIO`` plugin of the user's would never be called for them (silently skipping what it
+    does: another storage, an upload), and ``AsyncCheckpointIO``'s saves run synchronously."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    plugin = trainer.strategy.checkpoint_io
+    inner = plugin.checkpoint_io if isinstance(plugin, AsyncCheckpointIO) else plugin
+    if type(inner) is not TorchCheckpointIO:
+        raise MisconfigurationException(
+            f"megatrain writes and reads its checkpoints itself (a folder, each block streamed from its "
+            f"store), so the `{type(inner).__name__}` plugin would never be called. Remove it from "
+            "`Trainer(plugins=...)` and copy or upload the checkpoint folders once written, or train with "
+            "the default strategy."
+        )
+    if plugin is not inner:
+        rank_zero_warn(
+            "megatrain writes its checkpoints itself, as the training runs: `AsyncCheckpointIO` is not used "
+            "(each save takes the time the store's blocks take to write)."
+        )
 
 
 def _refuse_compiled_modules(module: nn.Module) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import UserLM, quiet_trainer, tiny_model, token_batches
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from torch import nn
@@ -66,6 +67,10 @@ def _hf_checkpointing() -> UserLM:
     model = tiny_model("llama")
     model.gradient_checkpointing_enable()
     return UserLM(model)
+
+
+class _UploadingIO(TorchCheckpointIO):
+    """A user's checkpoint IO plugin (one that would upload each checkpoint)."""
 
 
 class _NoRepeatedLayers(UserLM):
@@ -277,6 +282,11 @@ CASES = [
         "StochasticWeightAveraging",
         "does not support `StochasticWeightAveraging`",
         lambda t, f: lambda: _fit(t, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]),
+    ),
+    Case(
+        "a CheckpointIO plugin of one's own",
+        "plugin would never be called",
+        lambda t, f: lambda: _fit(t, plugins=[_UploadingIO()]),
     ),
     Case(
         "gradient_checkpointing_enable() with activation_checkpointing=False",

@@ -1,6 +1,7 @@
 """Checkpoints and the Lightning features around them, each compared with the default strategy: a megatrain
 checkpoint read as a standard one, resuming across strategies, ``load_state_dict`` after setup, the disk
-tier's state dict, ModelCheckpoint + EarlyStopping + ``ckpt_path="last"``, validate/test/predict after fit."""
+tier's state dict, the checkpoint hooks and IO plugins, ModelCheckpoint + EarlyStopping +
+``ckpt_path="last"``, validate/test/predict after fit."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import lightning as L
 import pytest
 import torch
 from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer, tiny_model, token_batches
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import megatrain_lightning
 from megatrain_lightning import MegaTrainStrategy, convert_checkpoint, open_checkpoint
@@ -307,13 +310,80 @@ def test_disk_tier_state_dict_is_a_full_copy_or_a_clear_error(tmp_path, monkeypa
     copy = strategy.lightning_module_state_dict()
     _assert_close(run.module.state_dict(), copy, exact=True)
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in copy.values())
-    monkeypatch.setattr(megatrain_lightning.strategy, "available_ram_bytes", lambda: 1000)
+    monkeypatch.setattr(megatrain_lightning.store.preflight, "available_ram_bytes", lambda: 1000)
     with pytest.raises(MisconfigurationException, match="trainer.save_checkpoint"):
         strategy.lightning_module_state_dict()
     # Saving streams the weights: it never asks for the full copy (which would raise here).
     run.trainer.save_checkpoint(tmp_path / "disk.ckpt")
     saved = torch.load(open_checkpoint(tmp_path / "disk.ckpt"), weights_only=True)
     _assert_close(copy, saved["state_dict"], exact=True)
+
+
+# -- what checkpoint hooks and IO plugins see --
+
+
+class HookedLM(ScheduledLM):
+    """Checkpoint hooks as users write them: a key of their own, and (``change``) an entry of the state dict
+    dropped in the save or the load hook, which the default strategy would honour."""
+
+    change = ""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["note"] = torch.arange(3)
+        if self.change == "save":
+            checkpoint["state_dict"].pop("model.model.embed_tokens.weight")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.note = checkpoint["note"]
+        self.seen = {name: (t.shape, t.dtype) for name, t in checkpoint["state_dict"].items()}
+        if self.change == "load":
+            checkpoint["state_dict"].pop("model.lm_head.weight")
+
+
+def test_checkpoint_hooks_see_every_weights_name_and_their_changes_are_refused(tmp_path):
+    trainer, module = _trainer("megatrain", tmp_path, max_steps=1), HookedLM(tiny_model("llama"))
+    trainer.fit(module, _loader(TRAIN))
+    trainer.save_checkpoint(tmp_path / "kept.ckpt")
+    module.change = "save"
+    with pytest.raises(
+        MisconfigurationException, match=r"removed 'model.model.embed_tokens.weight'\); megatrain"
+    ):
+        trainer.save_checkpoint(tmp_path / "changed.ckpt")
+    assert not os.path.lexists(tmp_path / "changed.ckpt")
+    resumed = HookedLM(tiny_model("llama", seed=7))
+    _trainer("megatrain", tmp_path, max_steps=2).fit(
+        resumed, _loader(TRAIN), ckpt_path=tmp_path / "kept.ckpt"
+    )
+    assert resumed.seen == {name: (t.shape, t.dtype) for name, t in module.state_dict().items()}
+    assert torch.equal(resumed.note, torch.arange(3))
+    changed = HookedLM(tiny_model("llama", seed=7))
+    changed.change = "load"
+    recorder = LossRecorder()
+    with pytest.raises(
+        MisconfigurationException, match=r"`on_load_checkpoint`\) changed .* \(removed 'model.lm_head"
+    ):
+        _trainer("megatrain", tmp_path, [recorder], max_steps=2).fit(
+            changed, _loader(TRAIN), ckpt_path=tmp_path / "kept.ckpt"
+        )
+    assert recorder.losses == []
+
+
+class UploadingIO(TorchCheckpointIO):
+    """A checkpoint IO plugin of the user's (e.g. one that uploads each checkpoint)."""
+
+
+def test_a_checkpoint_io_plugin_is_refused_and_async_saving_said_to_be_synchronous(tmp_path):
+    recorder = LossRecorder()
+    with pytest.raises(MisconfigurationException, match="the `UploadingIO` plugin would never be called"):
+        _trainer("megatrain", tmp_path, [recorder], max_steps=1, plugins=[UploadingIO()]).fit(
+            ScheduledLM(tiny_model("llama")), _loader(TRAIN)
+        )
+    assert recorder.losses == []
+    trainer = _trainer("megatrain", tmp_path, max_steps=1, plugins=[AsyncCheckpointIO()])
+    with pytest.warns(UserWarning, match="`AsyncCheckpointIO` is not used"):
+        trainer.fit(ScheduledLM(tiny_model("llama")), _loader(TRAIN))
+    trainer.save_checkpoint(tmp_path / "async.ckpt")
+    assert is_checkpoint_dir(tmp_path / "async.ckpt")
 
 
 # -- the feature matrix: each feature as under the default strategy --

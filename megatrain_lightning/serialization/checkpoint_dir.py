@@ -8,12 +8,13 @@ import errno
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import Tensor
 
 from megatrain_lightning.engine.chaos import point
 from megatrain_lightning.serialization.hf import WeightFiles
@@ -120,6 +121,15 @@ class CheckpointDir:
             raise CheckpointError(f"{self.path} holds no Hugging Face model, so it cannot be exported.")
         with open(os.path.join(self.path, "model", "config.json")) as f:
             return f.read()
+
+    def state_dict(self, read: Callable[[Any], Tensor]) -> dict[str, Tensor]:
+        """Every key of the module's ``state_dict`` the checkpoint holds, each entry through ``read`` (a tied
+        weight under each of its names, one tensor)."""
+        weights = {name: read(entry) for name, entry in self.weights().entries.items()}
+        state_dict = dict(weights)
+        state_dict.update({alias: weights[name] for alias, name in self.manifest.get("aliases", {}).items()})
+        state_dict.update({name: read(entry) for name, entry in self.buffers().entries.items()})
+        return state_dict
 
     def lightning_state(self) -> dict[str, Any]:
         return torch.load(os.path.join(self.path, LIGHTNING_STATE), weights_only=True, map_location="cpu")

@@ -97,11 +97,7 @@ def to_lightning(path: str | os.PathLike, copies: int = 1) -> dict[str, Any]:
     state = ckpt.lightning_state()
     for key in MEGATRAIN_KEYS:
         state.pop(key, None)
-    weights = {name: read_tensor(entry) for name, entry in ckpt.weights().entries.items()}
-    state_dict = dict(weights)
-    state_dict.update({alias: weights[name] for alias, name in ckpt.manifest["aliases"].items()})
-    state_dict.update({name: read_tensor(entry) for name, entry in ckpt.buffers().entries.items()})
-    state["state_dict"] = state_dict
+    state["state_dict"] = ckpt.state_dict(read_tensor)
     if state.get("optimizer_states") and "optimizer" in ckpt.manifest:
         state["optimizer_states"][0]["state"] = _adam_state(ckpt)
     return state

@@ -106,3 +106,16 @@ def check_host_ram(max_cpu_gb: float, staging_bytes: int = 0) -> None:
             f"`max_cpu_gb={max_cpu_gb}`{staging} is more than the {available / _GB:.1f} GB of RAM available; "
             "lower it."
         )
+
+
+def check_state_dict_fits(need_bytes: int) -> None:
+    """A full state dict of the disk tier's weights (``need_bytes`` of fp32, read into RAM) fits in the RAM
+    available; otherwise how to save and export them instead."""
+    available = available_ram_bytes()
+    if need_bytes > available:
+        raise MisconfigurationException(
+            f"The model's weights ({need_bytes / _GB:.2f} GB in fp32) live on disk under `offload_dir` and "
+            f"do not fit in the {available / _GB:.2f} GB of RAM available, so no full state dict can be "
+            "built. Save with `trainer.save_checkpoint(path)` (it streams the weights block by block) "
+            "and export them with `megatrain_lightning.export_hf(path, out_dir)`."
+        )
