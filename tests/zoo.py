@@ -334,8 +334,13 @@ def _layer_pick(defaults: dict[str, Any], num_layers: int) -> list[int]:
     return sorted(keep)
 
 
-def tiny_zoo_config(model_type: str) -> Any:
-    """A tiny, dropout-free config of ``model_type`` with a 256-token vocabulary."""
+def _is_dropout(name: str, value: Any) -> bool:
+    return isinstance(value, float) and ("dropout" in name or "pdrop" in name or name.endswith("layerdrop"))
+
+
+def tiny_zoo_config(model_type: str, dropout: bool = False) -> Any:
+    """A tiny config of ``model_type`` with a 256-token vocabulary, dropout-free unless ``dropout`` (then
+    the config's own)."""
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
@@ -344,9 +349,7 @@ def tiny_zoo_config(model_type: str) -> Any:
     for name, value in defaults.items():
         if name in _SIZES and (value is not None or name in _NONE_MEANS_DERIVED):
             kwargs[name] = _SIZES[name]
-        elif isinstance(value, float) and (
-            "dropout" in name or "pdrop" in name or name.endswith("layerdrop")
-        ):
+        elif _is_dropout(name, value) and not dropout:
             kwargs[name] = 0.0
         elif name.endswith("_token_id") and value is not None:
             ids = [
@@ -374,11 +377,11 @@ def tiny_zoo_config(model_type: str) -> Any:
     return cls(**kwargs)
 
 
-def tiny_zoo_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+def tiny_zoo_model(model_type: str, seed: int = 0, dropout: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_zoo_config(model_type))
+    return AutoModelForCausalLM.from_config(tiny_zoo_config(model_type, dropout))
 
 
 def included_archs() -> list[str]:
@@ -386,6 +389,19 @@ def included_archs() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(EXCLUDED))
+
+
+def dropout_archs() -> list[str]:
+    """The zoo's architectures whose config has dropout on by default (GPT-2's, OPT's, ...)."""
+    from transformers import CONFIG_MAPPING
+
+    return [
+        arch
+        for arch in included_archs()
+        if any(
+            _is_dropout(name, value) and value > 0 for name, value in CONFIG_MAPPING[arch]().to_dict().items()
+        )
+    ]
 
 
 def router_logits_archs() -> list[str]:
