@@ -1,8 +1,8 @@
 """What megatrain reads from the user's Trainer and LightningModule before it trains: what it cannot serve
-(weight-averaging callbacks, a checkpoint IO plugin, compiled modules, router logits on an old
-transformers), weights it trains otherwise than cast, whether user code looks at the summed gradients
-before the optimizer step, and Hugging Face's own activation checkpointing, which megatrain's block
-recompute takes over."""
+(a checkpoint to resume from that does not exist, weight-averaging callbacks, a checkpoint IO plugin,
+compiled modules, router logits on an old transformers), weights it trains otherwise than cast, whether
+user code looks at the summed gradients before the optimizer step, and Hugging Face's own activation
+checkpointing, which megatrain's block recompute takes over."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from megatrain_lightning.engine.captures import routes_captures
+from megatrain_lightning.serialization.checkpoint_dir import missing_resume_path, resume_path_of_this_run
 
 _GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")  # where users read gradients
 
@@ -37,6 +38,8 @@ def reads_final_gradients(trainer: pl.Trainer) -> bool:
 def check_before_training(trainer: pl.Trainer) -> None:
     """Refuse, before anything is built, what megatrain cannot serve in the user's Trainer and module, and
     warn where it trains otherwise than asked."""
+    if problem := missing_resume_path(resume_path_of_this_run()):
+        raise FileNotFoundError(problem)
     _refuse_weight_callbacks(trainer)
     _refuse_checkpoint_io(trainer)
     _refuse_compiled_modules(trainer.lightning_module)

@@ -320,6 +320,12 @@ CASES = [
         FileExistsError,
     ),
     Case(
+        "trainer.fit(ckpt_path=...) that does not exist",
+        "does not exist",
+        lambda t, f: _resume(t, t / "run" / "checkpoints" / "last.ckpt"),
+        FileNotFoundError,
+    ),
+    Case(
         "a corrupt checkpoint (one byte changed)",
         "does not match its checksum",
         lambda t, f: _resume(t, _checkpoint(t, f, _flip_a_byte)),

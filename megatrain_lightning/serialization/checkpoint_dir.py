@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,18 @@ class CheckpointDir:
                 )
             whole[name] = PiecedEntry(named[0][2].dtype, shape, tuple(parts))
         return whole
+
+
+def resume_path_of_this_run() -> Any:
+    """The ``ckpt_path`` the running ``trainer.fit``/``validate``/``test``/``predict`` resolved, read from
+    Lightning's ``Trainer._run`` frame: Lightning hands it to the strategy only to restore it, after the
+    store is built (minutes for a large model). ``None`` where no such frame is found."""
+    from lightning.pytorch.trainer.trainer import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not Trainer._run.__code__:
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals.get("ckpt_path")
 
 
 def missing_resume_path(path: Any) -> str | None:
