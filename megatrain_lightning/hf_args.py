@@ -147,6 +147,20 @@ def check_arguments(args: TrainingArguments, strategy_options: dict[str, Any]) -
         )
 
 
+def check_causal_lm(model: Any) -> None:
+    """mt.Trainer trains a causal LM's next-token loss (its batches are token windows, its perplexity shifts
+    the labels): another kind of model is refused, with the way to train it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if not any(cls.__name__ in causal for cls in type(model).__mro__):
+        raise MisconfigurationException(
+            f"mt.Trainer trains causal language models (`AutoModelForCausalLM`); {type(model).__name__} is "
+            "another kind. Train it with `lightning.Trainer(strategy='megatrain')` and a LightningModule "
+            "calling the model on your batches: it trains as under the default strategy."
+        )
+
+
 def check_trainer(trainer: type, kwargs: dict[str, Any], eval_dataset: Any, args: TrainingArguments) -> None:
     """Refuse Hugging Face ``Trainer`` arguments and overrides that would change the math if ignored, and
     evaluation it cannot run; warn about the other arguments, which it ignores."""

@@ -32,7 +32,13 @@ from transformers import PreTrainedModel, TrainingArguments, default_data_collat
 from transformers.trainer_utils import TrainOutput
 from typing_extensions import override
 
-from megatrain_lightning.hf_args import UnsupportedArgumentWarning, check_arguments, check_trainer, strategy
+from megatrain_lightning.hf_args import (
+    UnsupportedArgumentWarning,
+    check_arguments,
+    check_causal_lm,
+    check_trainer,
+    strategy,
+)
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.strategy import MegaTrainStrategy
 from megatrain_lightning.telemetry.monitor import MegaTrainMonitor, with_progress_bar
@@ -163,6 +169,7 @@ class Trainer:
         check_trainer(type(self), kwargs, eval_dataset, self.args)
         if model is None:
             raise MisconfigurationException("mt.Trainer needs the model to train: `mt.Trainer(model=...)`.")
+        check_causal_lm(model)
         check_arguments(self.args, _STRATEGY_OPTIONS)
         self.model = model
         self.train_dataset = train_dataset

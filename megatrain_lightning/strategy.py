@@ -49,6 +49,10 @@ from megatrain_lightning.store.preflight import (
 from megatrain_lightning.telemetry.stats import EngineStats
 
 
+def _nothing() -> None:
+    """A callable that pickles (the spawn launcher pickles the strategy), unlike a lambda."""
+
+
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, buf in module._buffers.items():
@@ -154,7 +158,7 @@ class MegaTrainStrategy(RankedStrategy):
         if self.offload_dir is not None and self.offload_dir != "auto":
             check_offload_dir(self.offload_dir)  # created when the store is, removed with it
         self._created_dirs: list[str] = []
-        self._hf_checkpointing: Callable[[], None] = lambda: None  # puts the user's checkpointing back
+        self._hf_checkpointing: Callable[[], None] = _nothing  # puts the user's checkpointing back
         if self.max_cpu_gb is not None:
             check_host_ram(self.max_cpu_gb)
         self.engine: Engine | None = None
@@ -433,7 +437,7 @@ class MegaTrainStrategy(RankedStrategy):
         if self.lightning_module is not None:
             _move_buffers(self.lightning_module, torch.device("cpu"))
         self._hf_checkpointing()  # the user's own back
-        self._hf_checkpointing = lambda: None
+        self._hf_checkpointing = _nothing
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

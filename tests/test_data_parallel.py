@@ -206,8 +206,9 @@ class OptimizerProbe(L.Callback):
 
 
 def _two_ranks(**options: Any) -> MegaTrainStrategy:
-    """Forked ranks; a collective that waits over a minute fails (a test's bug would hang for 30)."""
-    return MegaTrainStrategy(start_method="fork", timeout=timedelta(minutes=1), **options)
+    """Forked ranks (unless ``options`` say another start method); a collective that waits over a minute
+    fails (a test's bug would hang for 30)."""
+    return MegaTrainStrategy(**(dict(start_method="fork", timeout=timedelta(minutes=1)) | options))
 
 
 def _rows(micro_batches: int) -> list[torch.Tensor]:
@@ -309,6 +310,15 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
     synced = float(paged.trainer.callback_metrics["synced_loss"])
     accumulate = options.get("accumulate_grad_batches", 1)
     assert synced == pytest.approx(paged.losses[-1] * accumulate, rel=1e-6)  # outputs' loss is divided
+
+
+def test_ranks_started_by_spawn_train_as_forked_ones(tmp_path: Path) -> None:
+    """``start_method="spawn"`` (``ddp_spawn``'s launcher) pickles the trainer, and the strategy with it,
+    into each rank: nothing the strategy holds before training may be a lambda."""
+    model = tiny_model("llama")
+    plain = _plain_fit(model, 2)
+    paged, _ = _dp_fit(model, tmp_path, 2, strategy_kwargs=dict(start_method="spawn"))
+    assert_same_training(plain, paged)
 
 
 def test_two_ranks_route_the_router_logits_out_of_the_gathered_blocks(tmp_path: Path) -> None:

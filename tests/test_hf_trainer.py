@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from test_heads import HEADS
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 from megatrain_lightning import MegaTrainStrategy
@@ -145,7 +146,8 @@ class _OwnLoss(mt.Trainer):
 
 def test_what_would_train_other_math_or_skip_asked_work_is_refused(tmp_path, windows):
     """A loss or optimizer of the user's that mt.Trainer would not run, evaluation it cannot run, a resume
-    with nothing to resume from: errors saying what to do (each trained on silently before)."""
+    with nothing to resume from, a model that is not a causal LM: errors saying what to do (each trained on
+    silently or crashed later before)."""
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
     model, data = tiny_model("llama"), windows.train_set
     cases = [
@@ -175,6 +177,14 @@ def test_what_would_train_other_math_or_skip_asked_work_is_refused(tmp_path, win
         (
             lambda: mt.Trainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint=True),
             "no checkpoint to resume from",
+        ),
+        (  # its perplexity would shift T5's labels as a causal LM's
+            lambda: mt.Trainer(model=HEADS["t5"][0](), args=args, train_dataset=data),
+            "trains causal language models .* T5ForConditionalGeneration is another kind",
+        ),
+        (  # its evaluation crashed, a vision model's batches lost their pixels
+            lambda: mt.Trainer(model=HEADS["reward-model"][0](), args=args, train_dataset=data),
+            "LlamaForSequenceClassification is another kind",
         ),
     ]
     for make, message in cases:
