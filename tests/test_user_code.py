@@ -83,6 +83,63 @@ class SharedLayersLM(ToyLM):
         return SimpleNamespace(loss=loss, logits=logits)
 
 
+class ContextLayer(nn.Module):
+    """A layer that reads a context beside its input ``uses`` times (0 to 2), as a decoder layer's
+    cross-attention reads the encoder's output (keys and values)."""
+
+    def __init__(self, uses: int, width: int = 32) -> None:
+        super().__init__()
+        self.uses = uses
+        self.linear, self.add, self.gate = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        z = self.linear(h)
+        if self.uses >= 1:
+            z = z + self.add(context)
+        if self.uses >= 2:
+            z = z * torch.sigmoid(self.gate(context))
+        return h + torch.tanh(z)
+
+
+class PrefixHolder(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.prefix = nn.Parameter(torch.randn(1, 1, width) * 0.5)
+
+
+class ContextLM(ToyLM):
+    """Every layer gets one context: computed from the tokens, or (``prefix``) a learned prefix handed to
+    each layer's call as it is."""
+
+    def __init__(self, uses: tuple[int, ...], prefix: bool) -> None:
+        super().__init__(layers=0)
+        self.layers = nn.ModuleList(ContextLayer(n) for n in uses)
+        self.context = PrefixHolder() if prefix else nn.Embedding(256, 32)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        h = self.embed(input_ids)
+        is_prefix = isinstance(self.context, PrefixHolder)
+        context = self.context.prefix if is_prefix else torch.tanh(self.context(input_ids.flip(1)))
+        for layer in self.layers:
+            h = layer(h, context)
+        logits = self.head(h)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["recompute", "once"])
+@pytest.mark.parametrize("prefix", [False, True], ids=["computed", "learned-prefix"])
+def test_a_tensor_every_layer_takes_gets_its_gradient_as_autograd_sums_it(prefix, checkpointing):
+    """Layers reading it twice, once and not at all: its gradient summed use by use in autograd's order
+    (engine/shared_inputs.py); a learned prefix handed to the calls as it is trains (it took no gradient:
+    its placeholder went into the calls)."""
+    torch.manual_seed(0)
+    model = ContextLM(uses=(2, 1, 0, 2), prefix=prefix)
+    plain = user_fit(model, "auto")
+    strategy = MegaTrainStrategy(block_classes=[ContextLayer], activation_checkpointing=checkpointing)
+    assert_same_training(plain, user_fit(model, strategy), loss_rtol=0, param_atol=0)
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_block_called_several_times_in_one_step_trains_as_plain(checkpointing):
     torch.manual_seed(0)

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from megatrain_lightning.engine.blocks import CallSite
 from megatrain_lightning.engine.captures import Captures
+from megatrain_lightning.engine.placeholders import ParamPlaceholder
 from megatrain_lightning.engine.recompute import (
     ESCAPED,
     ForwardState,
@@ -95,7 +96,12 @@ def off_slot(value: Any, slot: Tensor) -> Any:
 
 
 def _detached(tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
-    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    """The call's inputs as leaves of its graph; a weight given as an argument as its values in the store."""
+    return [_values(t).detach().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _values(tensor: Tensor) -> Tensor:
+    return tensor.materialize() if isinstance(tensor, ParamPlaceholder) else tensor
 
 
 def reaches_another_block(outputs: list[Tensor], own: list[Tensor]) -> bool:

@@ -360,6 +360,15 @@ def _warn_grad_copy() -> None:
     )
 
 
+def note_uses_as_arguments(tensors: list[Any]) -> None:
+    """Weights handed to a block's call as they are (a learned prefix given to every layer) are used outside
+    their layer: the call computes on their values read from the store (``materialize``), and the engine
+    takes the gradient autograd sums in them (:mod:`.outside_uses`)."""
+    for tensor in tensors:
+        if isinstance(tensor, ParamPlaceholder):
+            tensor._note_use("an argument of a layer's call")
+
+
 def weight_source_of(module: nn.Module) -> WeightSource | None:
     """Where ``module``'s weights are stored, found through its placeholders (no global registry)."""
     for param in module.parameters():

@@ -63,7 +63,7 @@ from megatrain_lightning.engine.host_views import HostViews, ShadowViews
 from megatrain_lightning.engine.outside_uses import OutsideUses
 from megatrain_lightning.engine.paged_call import Call, PagedCall, off_slot
 from megatrain_lightning.engine.pager import Pager
-from megatrain_lightning.engine.placeholders import weight_source_of
+from megatrain_lightning.engine.placeholders import note_uses_as_arguments, weight_source_of
 from megatrain_lightning.engine.recompute import training_arguments
 from megatrain_lightning.engine.shared_inputs import SharedInputs
 from megatrain_lightning.engine.slots import Pools, SlotLayout, slot_pools
@@ -343,6 +343,7 @@ class Engine:
         if self.config.activation_checkpointing:  # a block that runs once keeps its cache, as in plain
             args, kwargs = training_arguments(site.module, forward, args, kwargs)
         flat, spec = tree_flatten((args, kwargs))
+        note_uses_as_arguments(flat)
         positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]
         call = Call(forward, flat, spec, positions)
         outputs = PagedCall.apply(self, site, call, self._anchor, *[flat[i] for i in positions])

@@ -4,13 +4,15 @@ reads): its gradient summed use by use, in the order plain autograd sums it.
 Autograd adds the gradients a tensor receives one use at a time, in the order it runs the uses: with two
 decoder layers reading the encoder's output through their key and value projections, ((v1 + k1) + v0) + k0.
 A paged call's backward sums its own block's uses (its inner autograd) and hands the outer autograd that
-sum, which would give (v1 + k1) + (v0 + k0), a rounding apart. So a call whose backward runs while an
-earlier call that uses the tensor more than once is still to run carries its sum to that call instead of
+sum, which would give (v1 + k1) + (v0 + k0), a rounding apart. So while an earlier call that uses the
+tensor more than once is still to run, a call carries its sum on to the next call to run instead of
 handing it out, and that call's inner autograd starts from it: an extra root, a view of the input made
-after the block's graph, which autograd therefore runs before the block's own uses. A call that uses it
-once adds the same either way, and hands its sum out as before, so uses outside the blocks' calls in
-between (a concatenation of layer outputs) still fall in their place. Where both meet, a call using the
-tensor several times and a use outside the calls while its sum is carried, the sums stay a rounding apart.
+after the block's graph, which autograd therefore runs before the block's own uses. Where no call still to
+run uses it more than once, the sum is handed out as before (each further use is added alone either way),
+so uses outside the blocks' calls in between (a concatenation of layer outputs) still fall in their place.
+Where both meet, a call using the tensor several times and a use outside the calls while a sum is
+carried, the sums stay a rounding apart; under autocast a call reads its input through one view
+(``paged_call._as_non_leaf``), which counts as one use, so nothing is carried there.
 """
 
 from __future__ import annotations
@@ -115,22 +117,25 @@ def carried_sums(ctx: Any, noted: dict[int, Takers], inputs: Sequence[Tensor]) -
 
 
 def hand_on(ctx: Any, noted: dict[int, Takers], input_grads: list[Tensor | None]) -> None:
-    """At the end of a call's backward: carry each input's sum to the next taker this backward runs where
-    that one uses it more than once, handing the outer autograd nothing for it (``None`` in
-    ``input_grads``)."""
+    """At the end of a call's backward: while an earlier taker this backward has still to run uses the
+    input more than once, carry its sum on (to the next taker to run, whatever its uses: it passes the sum
+    through), handing the outer autograd nothing for it (``None`` in ``input_grads``)."""
     for position, takers in noted.items():
-        if input_grads[position] is not None and _next_taker_uses_it_again(takers.this_backward(), ctx):
+        if input_grads[position] is not None and _an_earlier_taker_uses_it_again(takers.this_backward(), ctx):
             takers.carried, input_grads[position] = input_grads[position], None
 
 
-def _next_taker_uses_it_again(takers: Takers, ctx: Any) -> bool:
-    """Whether the latest call before ``ctx`` that this backward has still to run uses the tensor more
-    than once."""
-    nearest = False
+def _an_earlier_taker_uses_it_again(takers: Takers, ctx: Any) -> bool:
+    """Whether a call before ``ctx`` that this backward has still to run uses the tensor more than once."""
     for call, several in takers.calls:
         node = call()
         if node is ctx:
-            return nearest
-        if node is not None and id(node) not in takers.ran and torch._C._will_engine_execute_node(node):
-            nearest = several
-    return nearest
+            return False
+        if (
+            several
+            and node is not None
+            and id(node) not in takers.ran
+            and torch._C._will_engine_execute_node(node)
+        ):
+            return True
+    return False
