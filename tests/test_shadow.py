@@ -114,7 +114,7 @@ def test_bf16_mixed_fetches_the_shadow_and_trains_bitwise_like_lightnings(
         kwargs["max_vram_gb"] = max_slots * slot / 1e9
     steps = StepBytes(loads)
     run = user_fit(model, MegaTrainStrategy(**kwargs), steps=STEPS, callbacks=[steps], **MIXED)
-    assert_same_training(plain, run, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, run)
     engine = run.trainer.strategy.engine
     layout, store = engine.pager.layout, engine.store
     if max_slots:
@@ -144,7 +144,7 @@ def test_the_disk_tier_keeps_no_shadow_and_reads_fp32(model, plain, tmp_path, mo
         lambda self, slot, block, finish: loads.append(block) or load(self, slot, block, finish),
     )
     run = user_fit(model, MegaTrainStrategy(offload_dir=str(tmp_path / "offload")), steps=STEPS, **MIXED)
-    assert_same_training(plain, run, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, run)
     engine = run.trainer.strategy.engine
     engine.pager.close()
     assert not engine.store.has_shadow
@@ -177,7 +177,7 @@ def test_the_shadow_path_equals_slots_converting_the_master(
     monkeypatch.setattr(HostStore, "define_shadow", lambda self, runs, joined=False: define(self, None))
     without = user_fit(model, MegaTrainStrategy(**strategy), steps=STEPS, **trainer)
     assert not without.trainer.strategy.engine.store.has_shadow
-    assert_same_training(without, with_shadow, loss_rtol=0, param_atol=0)
+    assert_same_training(without, with_shadow)
 
 
 def _fit(module, strategy, steps: int, batches, ckpt_path=None) -> Run:
@@ -210,7 +210,7 @@ def test_resuming_into_a_trained_module_reads_the_checkpoint_not_a_stale_shadow(
     other = _fit(module, MegaTrainStrategy(zero_copy=False), 2, token_batches(2 * ACCUMULATE, seed=7))
     _assert_shadows_current(other.trainer.strategy.engine.store)
     resumed = _fit(module, MegaTrainStrategy(zero_copy=False), 4, batches, ckpt)
-    assert_same_training(expected, resumed, loss_rtol=0, param_atol=0)
+    assert_same_training(expected, resumed)
 
 
 def test_every_other_write_leaves_the_shadow_stale_and_a_read_rebuilds_it():
@@ -360,5 +360,5 @@ def test_random_delays_never_let_a_stale_shadow_through(model, compression):
     with chaos.enabled("seed=11,delay_ms=5,p=0.3") as injected:
         run = user_fit(model, strategy(), steps=STEPS, **options)
     assert sum(injected.hits.values()) > 50
-    assert_same_training(reference, run, loss_rtol=0, param_atol=0)
+    assert_same_training(reference, run)
     _assert_shadows_current(run.trainer.strategy.engine.store)

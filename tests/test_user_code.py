@@ -137,7 +137,7 @@ def test_a_tensor_every_layer_takes_gets_its_gradient_as_autograd_sums_it(prefix
     model = ContextLM(uses=(2, 1, 0, 2), prefix=prefix)
     plain = user_fit(model, "auto")
     strategy = MegaTrainStrategy(block_classes=[ContextLayer], activation_checkpointing=checkpointing)
-    assert_same_training(plain, user_fit(model, strategy), loss_rtol=0, param_atol=0)
+    assert_same_training(plain, user_fit(model, strategy))
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -274,7 +274,7 @@ def test_dropout_is_replayed_exactly_in_the_recompute(arch):
     model = tiny_model(arch, **dropout)
     plain = user_fit(model, "auto")
     paged = user_fit(model, MegaTrainStrategy(activation_checkpointing=True))
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
 
 
 def test_placeholders_report_the_compute_device_and_the_dtype_plain_lightning_shows():
@@ -433,7 +433,7 @@ def test_only_a_use_the_backward_reaches_holds_its_blocks_update_back(
     paged = user_fit(
         model, MegaTrainStrategy(), steps, module_cls=module_cls, callbacks=[c() for c in callbacks]
     )
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
     assert paged.trainer.callback_metrics.keys() == plain.trainer.callback_metrics.keys()
     for key, value in plain.trainer.callback_metrics.items():
         assert torch.equal(paged.trainer.callback_metrics[key], value), key
@@ -491,7 +491,7 @@ def test_a_weight_frozen_after_a_callback_read_it_trains_as_plain():
         user_fit(model, strategy, 4, callbacks=[WeightNormLogged(), FreezeHeadAtBatch2()])
         for strategy in ("auto", MegaTrainStrategy())
     )
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
 
 
 class PeekingLayer(GradModeLayer):
@@ -791,7 +791,7 @@ def test_gradients_user_code_changes_are_the_gradients_the_step_uses(edit):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "megatrain: `p.grad` is a copy")
         paged = user_fit(model, MegaTrainStrategy(), module_cls=module_cls, **options)
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
 
 
 class GradReadsLetGo(L.Callback):
@@ -918,7 +918,7 @@ def test_the_recompute_runs_in_the_modes_and_kernels_the_forward_ran_in(module_c
     two steps), the default attention kernel (1.3e-5)."""
     model = tiny_model("llama", attention_dropout=dropout)
     plain, paged = (user_fit(model, s, 2, module_cls=module_cls) for s in ("auto", MegaTrainStrategy()))
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
 
 
 class PromptThenContinuationLM(UserLM):
@@ -959,7 +959,7 @@ def test_a_continuation_attending_over_a_prompts_cache_trains_as_plain_or_is_ref
     model, strategy = tiny_model("llama"), MegaTrainStrategy(activation_checkpointing=checkpointing)
     if refusal is None:
         plain = user_fit(model, "auto", 2, module_cls=module_cls, seq_len=20)
-        assert_same_training(plain, user_fit(model, strategy, 2, module_cls=module_cls, seq_len=20), 0, 0)
+        assert_same_training(plain, user_fit(model, strategy, 2, module_cls=module_cls, seq_len=20))
         return
     with pytest.raises((RuntimeError, MisconfigurationException), match=refusal):
         user_fit(model, strategy, 2, module_cls=module_cls, seq_len=20)
@@ -977,7 +977,7 @@ def test_hugging_face_checkpointing_is_taken_over_by_the_block_recompute(reentra
     plain = user_fit(model, "auto", dicts=True)
     plain_runs, runs[:] = len(runs), []
     paged = user_fit(model, MegaTrainStrategy(), dicts=True)
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
     assert len(runs) == plain_runs == 2 * 4
     layer = paged.module.model.model.layers[0]
     assert layer.gradient_checkpointing
@@ -1016,7 +1016,7 @@ def test_outputs_collected_inside_the_layers_train_as_under_the_default_strategy
     plain = user_fit(model, "auto", steps=3, module_cls=module_cls)
     paged = user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=3,
                      module_cls=module_cls)  # fmt: skip
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
 
 
 class MLPCaptureLM(UserLM):
@@ -1117,7 +1117,7 @@ def test_a_penalty_on_frozen_and_trainable_weights_trains_as_plain():
     model = tiny_model("llama")
     model.model.norm.requires_grad_(False)
     plain, paged = (user_fit(model, s, module_cls=MixedPenaltyLM) for s in ("auto", MegaTrainStrategy()))
-    assert_same_training(plain, paged, loss_rtol=0, param_atol=0)
+    assert_same_training(plain, paged)
 
 
 class GradAtBatchEnd(L.Callback):
