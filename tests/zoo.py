@@ -285,12 +285,11 @@ EXCLUDED: dict[str, str] = {
 # gradient to the next layer's one use at a time, megatrain adds the next layer's uses up first (engine/
 # shared_inputs.py carries sums between layers' calls, not from uses outside them). They train within a
 # rounding (1e-6) of plain Lightning.
-SUMMED_APART: dict[str, str] = {
-    "inkling2_text": "each layer's output is also concatenated into the block states every later layer "
-    "attends over (block attention residuals)",
-    "inkling2_loop_text": "each layer's output is also concatenated into the block states every later "
-    "layer attends over (block attention residuals)",
-}
+_BLOCK_RESIDUALS = (
+    "each layer's output is also concatenated into the block states every later layer attends over (block "
+    "attention residuals)"
+)
+SUMMED_APART: dict[str, str] = dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _BLOCK_RESIDUALS)
 
 _PER_LAYER_VALUES = ("no_rope_layers", "activation_sparsity_pattern", "intermediate_size")
 _NONE_MEANS_DERIVED = ("head_dim", "num_key_value_heads")  # None is "derive it", our value is the same
