@@ -163,14 +163,17 @@ def user_fit(
     seq_len: int = 16,
     module_cls: type[L.LightningModule] = UserLM,
     callbacks: list[L.Callback] | None = None,
+    batches: list[Any] | None = None,
     **trainer_kwargs: Any,
 ) -> Run:
-    """Train a copy of ``model`` inside a :class:`UserLM` (or ``module_cls``) for ``steps`` micro-batches."""
+    """Train a copy of ``model`` inside a :class:`UserLM` (or ``module_cls``) for ``steps`` micro-batches
+    (``batches``, or random tokens)."""
     module = module_cls(copy.deepcopy(model))
     recorder = LossRecorder()
     trainer = quiet_trainer(strategy, steps, [recorder, *(callbacks or [])], **trainer_kwargs)
-    micro_batches = steps * trainer_kwargs.get("accumulate_grad_batches", 1)
-    batches = token_batches(micro_batches, vocab=vocab, seq_len=seq_len, dicts=dicts)
+    if batches is None:
+        micro_batches = steps * trainer_kwargs.get("accumulate_grad_batches", 1)
+        batches = token_batches(micro_batches, vocab=vocab, seq_len=seq_len, dicts=dicts)
     torch.manual_seed(1)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     return Run(module, trainer, recorder.losses)

@@ -5,14 +5,12 @@ batches."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import transformers as T
-from conftest import LossRecorder, Run, UserLM, assert_same_training, quiet_trainer
+from conftest import assert_same_training, user_fit
 
 from megatrain_lightning import MegaTrainStrategy
 
@@ -84,16 +82,6 @@ HEADS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
 CASES = [(head, True) for head in HEADS] + [("t5", False), ("gpt2-classifier-dropout", False)]
 
 
-def _fit(model: torch.nn.Module, kind: str, strategy: Any, steps: int = 3) -> Run:
-    module, recorder = UserLM(copy.deepcopy(model)), LossRecorder()
-    generator = torch.Generator().manual_seed(1)
-    batches = [_batch(kind, generator) for _ in range(steps)]
-    trainer = quiet_trainer(strategy, steps, [recorder])
-    torch.manual_seed(2)  # the dropout masks
-    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
-    return Run(module, trainer, recorder.losses)
-
-
 @pytest.mark.parametrize(
     ("head", "checkpointing"), CASES, ids=[f"{h}-{'recompute' if c else 'once'}" for h, c in CASES]
 )
@@ -101,6 +89,10 @@ def test_other_heads_train_bitwise_like_plain_lightning(head, checkpointing):
     build, kind = HEADS[head]
     torch.manual_seed(0)
     model = build()
-    plain = _fit(model, kind, "auto")
-    paged = _fit(model, kind, MegaTrainStrategy(activation_checkpointing=checkpointing))
+    generator = torch.Generator().manual_seed(1)
+    batches = [_batch(kind, generator) for _ in range(3)]
+    plain = user_fit(model, "auto", steps=3, batches=batches)
+    paged = user_fit(
+        model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=3, batches=batches
+    )
     assert_same_training(plain, paged)
