@@ -25,6 +25,7 @@ from megatrain_lightning.engine.distributed import ShardedGrads
 from megatrain_lightning.engine.placeholders import converting_modules
 from megatrain_lightning.engine.runtime import Engine, EngineConfig
 from megatrain_lightning.engine.threads import update_workers
+from megatrain_lightning.interrupts import FinishesStepsOnCtrlC
 from megatrain_lightning.optim import state_dict as adam_state
 from megatrain_lightning.optim.adamw import CPUAdamW
 from megatrain_lightning.optim.rebuild import cpu_adamw_from, rebind_scheduler
@@ -60,7 +61,7 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-class MegaTrainStrategy(RankedStrategy):
+class MegaTrainStrategy(FinishesStepsOnCtrlC, RankedStrategy):
     """Train a model larger than device memory: weights and optimizer state live in host memory, blocks
     stream through fixed pools of device slots (one per block size), gradients stream back, a CPU AdamW
     updates the weights.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import signal
@@ -569,3 +570,69 @@ def test_no_checkpoint_holds_a_step_cut_short_by_an_exception_in_its_backward(tm
         with pytest.raises(RuntimeError, match="after [1-9] of 5 blocks were updated"):
             trainer.save_checkpoint(tmp_path / "mine.ckpt")
         assert not os.path.exists(tmp_path / "mine.ckpt")
+
+
+class CtrlCInTheThirdBackward(UserLM):
+    """Ctrl-C is pressed ``presses`` times during the third step's backward, between the first decoder layer
+    and the embedding: the later blocks' updates have begun by then."""
+
+    def __init__(self, model: torch.nn.Module, presses: int) -> None:
+        super().__init__(model)
+        self.presses = presses
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step != 2:
+            return super().training_step(batch, batch_idx)
+
+        def ctrl_c(grad: torch.Tensor) -> None:
+            for _ in range(self.presses):
+                signal.raise_signal(signal.SIGINT)
+
+        def press(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden.register_hook(ctrl_c)
+
+        handle = self.model.model.layers[0].register_forward_pre_hook(press, with_kwargs=True)
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            handle.remove()
+
+
+@pytest.fixture
+def ctrl_c_restored():
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores it after a KeyboardInterrupt
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_in_a_backward_finishes_the_step_and_a_second_one_stops_at_once(
+    tmp_path, presses, ctrl_c_restored, caplog, monkeypatch
+):
+    """Ctrl-C during a step's backward, once blocks were updated: the step finishes, the run stops before the
+    next, so `OnExceptionCheckpoint` holds three whole steps and the run resumed from it trains as the
+    uninterrupted one. Pressed twice, the run stops at once and no checkpoint holds the step cut short."""
+    batches = token_batches(3)  # an epoch is three steps: the run resumes at the next epoch's first batch
+    saved = L.pytorch.callbacks.OnExceptionCheckpoint(tmp_path)
+    module = CtrlCInTheThirdBackward(tiny_model("llama"), presses)
+    trainer = quiet_trainer(
+        MegaTrainStrategy(), 6, [saved], enable_checkpointing=True, default_root_dir=tmp_path
+    )
+    cut_short = pytest.warns(UserWarning, match="between two steps") if presses == 2 else nullcontext()
+    lightning_log = logging.getLogger("lightning.pytorch")  # Lightning's messages stop there
+    monkeypatch.setattr(lightning_log, "handlers", [*lightning_log.handlers, caplog.handler])
+    caplog.set_level("INFO", logger="lightning.pytorch")
+    with cut_short, pytest.raises(SystemExit):  # Lightning's exit on Ctrl-C
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    assert "Ctrl-C: finishing this step first" in caplog.text
+    if presses == 2:
+        assert not os.path.exists(saved.ckpt_path)
+        return
+    assert torch.load(open_checkpoint(saved.ckpt_path), weights_only=True)["global_step"] == 3
+    resumed = UserLM(tiny_model("llama", seed=1))
+    trainer = quiet_trainer(MegaTrainStrategy(), 6, [])
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    trainer.fit(resumed, train_dataloaders=loader, ckpt_path=saved.ckpt_path)
+    uninterrupted = user_fit(tiny_model("llama"), "auto", 6, batches=batches)
+    for name, weight in uninterrupted.state_dict().items():
+        assert torch.equal(weight, resumed.state_dict()[name]), name
