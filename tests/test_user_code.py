@@ -937,6 +937,19 @@ class GradPromptThenContinuationLM(PromptThenContinuationLM):
     grad_prompt = True
 
 
+class FirstLayerTwiceLM(UserLM):
+    """The first decoder layer listed twice (layer sharing): its second run attends over the keys its first
+    appended to the model's cache."""
+
+    def training_step(self, batch, batch_idx):
+        layers = self.model.model.layers
+        self.model.model.layers = torch.nn.ModuleList([layers[0], *layers])
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            self.model.model.layers = layers
+
+
 @pytest.mark.parametrize(
     "module_cls, checkpointing, refusal",
     [
@@ -947,15 +960,27 @@ class GradPromptThenContinuationLM(PromptThenContinuationLM):
             False,
             "whose keys and values an earlier forward computed with gradients",
         ),
+        (GradPromptThenContinuationLM, True, "which `model.model.layers.0` had filled before"),
+        (FirstLayerTwiceLM, False, "or an earlier run of the same layer in this forward"),
+        (FirstLayerTwiceLM, True, "which `model.model.layers.0` had filled before in this forward"),
     ],
-    ids=["no-grad-prompt", "no-grad-prompt-checkpointed", "grad-prompt"],
+    ids=[
+        "no-grad-prompt",
+        "no-grad-prompt-checkpointed",
+        "grad-prompt",
+        "grad-prompt-checkpointed",
+        "layer-twice",
+        "layer-twice-checkpointed",
+    ],
 )
 def test_a_continuation_attending_over_a_prompts_cache_trains_as_plain_or_is_refused(
     module_cls, checkpointing, refusal
 ):
     """Without activation checkpointing a block that runs once attends over the cache: bitwise. A recomputed
     block cannot (its second run would append again: the cache is dropped, which crashed inside attention);
-    keys computed with gradients by an earlier call would lose theirs (silently before)."""
+    keys computed with gradients by an earlier call would lose theirs (silently before). Under the
+    recompute, the cache a forward with gradients returned, and a layer run twice in one forward, attended
+    over an empty copy (silently, until the refusal)."""
     model, strategy = tiny_model("llama"), MegaTrainStrategy(activation_checkpointing=checkpointing)
     if refusal is None:
         plain = user_fit(model, "auto", 2, module_cls=module_cls, seq_len=20)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 class Call:
     """One call of a call site: the non-tensor arguments, and afterwards the non-tensor outputs."""
 
+    block: str  # the name of the block whose call this is
     forward: Callable
     flat: list[Any]
     spec: Any
@@ -53,12 +54,16 @@ class Call:
 
     def run(self, tensors: tuple[Tensor, ...] | list[Tensor], recompute: bool = False) -> list[Tensor]:
         """The block's output tensors, then the tensors its layers handed to the model's collector."""
-        flat = [leaf.copy() if isinstance(leaf, FreshCache) else leaf for leaf in self.flat]
+        caches = {i: leaf.copy() for i, leaf in enumerate(self.flat) if isinstance(leaf, FreshCache)}
+        flat = [caches.get(i, leaf) for i, leaf in enumerate(self.flat)]
         for i, t in zip(self.positions, tensors, strict=True):
             flat[i] = _as_non_leaf(t)
         args, kwargs = tree_unflatten(flat, self.spec)
         with self.captures.watching(recompute) as captured:
             out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
+        if not recompute:
+            for i, cache in caches.items():
+                self.flat[i].note_forward_run(self.block, cache)
         self.out_positions = [i for i, leaf in enumerate(out_flat) if isinstance(leaf, Tensor)]
         self.out_flat = [None if i in self.out_positions else leaf for i, leaf in enumerate(out_flat)]
         return [out_flat[i] for i in self.out_positions] + captured
@@ -141,10 +146,11 @@ def check_graph(
     if continues:
         raise MisconfigurationException(
             f"megatrain: the block `{site.name}` attends over a key/value cache whose keys and values an "
-            "earlier forward computed with gradients (a prompt encoded for its continuation). megatrain "
+            "earlier forward computed with gradients (a prompt encoded for its continuation), or an earlier "
+            "run of the same layer in this forward (a layer listed twice in the model's layers). megatrain "
             "routes gradients through block arguments and outputs only, so theirs would be lost. Encode the "
-            "prompt under `torch.no_grad()` (its keys then take no gradient), or give the whole sequence "
-            "to one forward."
+            "prompt under `torch.no_grad()` (its keys then take no gradient), give the whole sequence to "
+            "one forward, or pass `use_cache=False` where a layer runs twice."
         )
     raise MisconfigurationException(
         f"megatrain: the block `{site.name}` computes with a tensor that another block made and that is "

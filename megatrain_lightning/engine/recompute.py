@@ -11,8 +11,9 @@ recompute given the model's cache would attend over every key twice (or crash on
 models that build explicit masks), and dropping the cache, as Hugging Face's own
 ``GradientCheckpointingLayer`` does, changes the rounding (``update`` returns contiguous copies of the
 keys and values, which the attention's matmuls round otherwise than the views; Zamba2's Mamba2 mixers take
-a fused scan without a cache). The model's own cache stays empty. A block that runs once (no
-checkpointing) and inference get the model's cache, as in the plain model.
+a fused scan without a cache). The model's own cache stays empty, so a run that would attend over keys
+an earlier run appended (a layer run twice in one forward, a cache kept for a later forward) is refused.
+A block that runs once (no checkpointing) and inference get the model's cache, as in the plain model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 # What Hugging Face layers call the cache they append to, by keyword or position.
@@ -68,13 +70,14 @@ def _scrubbed(name: str | None, value: Any, keep_cache: bool, fresh: bool) -> An
     return value
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class FreshCache:
     """A key/value cache in a checkpointed block's arguments: each run of the block (its forward and its
     recompute) gets an empty copy of it, so it computes as with the cache the plain model gives it and
     appends nothing twice. One per model cache (a forward's blocks share it)."""
 
     empty: Any  # a copy of the model's cache as the forward made it (it holds no positions)
+    filled: dict[tuple[int, int], str] = field(default_factory=dict)  # layer of the cache -> block filling it
 
     @classmethod
     def of(cls, cache: Any) -> FreshCache:
@@ -85,6 +88,30 @@ class FreshCache:
 
     def copy(self) -> Any:
         return copy.deepcopy(self.empty)
+
+    def note_forward_run(self, block: str, run_copy: Any) -> None:
+        """``block``'s forward run appended to ``run_copy``'s layers. Appending to a layer of the cache that
+        an earlier run filled is refused: under plain PyTorch this run attends over that run's keys too."""
+        for layer in _filled_layers(run_copy):
+            if layer in self.filled:
+                earlier = self.filled[layer]
+                raise MisconfigurationException(
+                    CACHE_FILLED_TWICE.format(block=block, earlier=earlier, layer=layer[1])
+                )
+            self.filled[layer] = block
+
+
+def _filled_layers(cache: Any) -> list[tuple[int, int]]:
+    """The layers of a Hugging Face cache holding positions, as (part, layer): an encoder-decoder's cache
+    has two parts, its self-attention and its cross-attention cache."""
+    parts = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+    parts = [part for part in parts if part is not None] or [cache]
+    return [
+        (i, index)
+        for i, part in enumerate(parts)
+        for index, layer in enumerate(getattr(part, "layers", ()))
+        if hasattr(layer, "get_seq_length") and layer.get_seq_length()  # (a layer without a cache has none)
+    ]
 
 
 _FRESH: weakref.WeakKeyDictionary[Any, FreshCache] = weakref.WeakKeyDictionary()
@@ -98,6 +125,17 @@ CACHE_IN_TRAINING = (
     "checkpointing), and these positions would be lost. Use "
     "`MegaTrainStrategy(activation_checkpointing=False)` to attend over a cache encoded under "
     "`torch.no_grad()`, or give the whole sequence to one forward."
+)
+
+
+CACHE_FILLED_TWICE = (
+    "megatrain: `{block}` appended keys and values to layer {layer} of the model's key/value cache, which "
+    "`{earlier}` had filled before in this forward (a layer run twice in one forward, e.g. listed twice in "
+    "the model's layers) or in an earlier forward given the same cache: under plain PyTorch this run "
+    "attends over those keys too. megatrain gives each run of a layer in a forward that computes gradients "
+    "an empty copy of the cache (the layer runs again in backward) and routes no gradient between runs "
+    "through it. Pass `use_cache=False` to the model's call in training (each run then attends over its "
+    "own keys), or give the whole sequence to one forward."
 )
 
 

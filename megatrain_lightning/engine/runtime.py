@@ -345,7 +345,7 @@ class Engine:
         flat, spec = tree_flatten((args, kwargs))
         note_uses_as_arguments(flat)
         positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, Tensor)]
-        call = Call(forward, flat, spec, positions)
+        call = Call(site.block.name, forward, flat, spec, positions)
         outputs = PagedCall.apply(self, site, call, self._anchor, *[flat[i] for i in positions])
         return call.rebuild_outputs(outputs)
 
