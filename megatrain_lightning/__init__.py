@@ -23,11 +23,29 @@ __all__ = [
 ]
 
 
+def _refuse_fabric(**_: object) -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    raise MisconfigurationException(
+        "megatrain is a strategy of Lightning's `Trainer` (`Trainer(strategy='megatrain')`): it pages the "
+        "blocks through the Trainer's training step, optimizer step and checkpoint hooks, which Fabric's "
+        "loop of your own does not call. Train with `lightning.Trainer`, or give Fabric one of its own "
+        "strategies."
+    )
+
+
 def _register() -> None:
+    """``strategy="megatrain"`` (and ``"megatrain_nvme"``) for the Trainer; for Fabric, a clear refusal."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
     from lightning.pytorch.strategies import StrategyRegistry
 
     if MegaTrainStrategy.strategy_name not in StrategyRegistry:
         MegaTrainStrategy.register_strategies(StrategyRegistry)
+    for name in ("megatrain", "megatrain_nvme"):
+        if name not in FABRIC_STRATEGIES:
+            FABRIC_STRATEGIES.register(
+                name, _refuse_fabric, description="Refused: megatrain needs the Trainer"
+            )
 
 
 _register()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning
 import pytest
 import torch
 from conftest import UserLM, quiet_trainer, tiny_model, token_batches
@@ -305,6 +306,11 @@ CASES = [
         "precision='64-true'",
         "megatrain supports precision",
         lambda t, f: lambda: _fit(t, precision="64-true"),
+    ),
+    Case(
+        "Fabric(strategy='megatrain')",
+        "a strategy of Lightning's `Trainer`",
+        lambda t, f: lambda: lightning.Fabric(strategy="megatrain", accelerator="cpu"),
     ),
     # checkpoints
     Case(
