@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -570,6 +571,25 @@ def test_no_checkpoint_holds_a_step_cut_short_by_an_exception_in_its_backward(tm
         with pytest.raises(RuntimeError, match="after [1-9] of 5 blocks were updated"):
             trainer.save_checkpoint(tmp_path / "mine.ckpt")
         assert not os.path.exists(tmp_path / "mine.ckpt")
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["trains-on", "resumes"])
+def test_a_fit_after_a_step_cut_short_says_it_trains_on_from_weights_between_two_steps(tmp_path, resume):
+    """The module keeps the weights a stopped backward left between two steps: a later fit says it trains on
+    from them; one resumed from the checkpoint before loads whole steps and says nothing."""
+    saved = L.pytorch.callbacks.ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=1, save_top_k=-1)
+    module = StopsInTheThirdBackward(tiny_model("llama"))
+    batches = torch.utils.data.DataLoader(token_batches(6), batch_size=None)
+    trainer = quiet_trainer(MegaTrainStrategy(), 6, [saved], enable_checkpointing=True)
+    with pytest.raises(StoppedInBackward):
+        trainer.fit(module, train_dataloaders=batches)
+    later = UserLM(module.model)
+    ckpt_path = tmp_path / "step=2.ckpt" if resume else None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_trainer(MegaTrainStrategy(), 3, []).fit(later, train_dataloaders=batches, ckpt_path=ckpt_path)
+    said = [w for w in seen if "trains on from them" in str(w.message)]
+    assert len(said) == (0 if resume else 1)
 
 
 class CtrlCInTheThirdBackward(UserLM):

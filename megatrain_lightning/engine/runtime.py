@@ -154,7 +154,6 @@ class Engine:
             self.store, config.device, self.stats
         )
         self.optimizer: Any = None  # CPUAdamW once fitting
-        self.updated_before_a_failure = 0  # blocks the step a failure stopped had updated (its optimizer's)
         self._cadence = UpdateCadence()
         self.backwards = PendingBackwards()  # this pass's training calls awaiting their backward
         self.shared_inputs = SharedInputs()  # tensors several calls take: their gradient summed use by use
@@ -253,6 +252,7 @@ class Engine:
         self.grads.flush()
         self.outside_uses.begin_pass()
         if kind == "train":
+            self.weights.train_on()
             self._cadence.record(self.optimizer is not None and self.optimizer.stepping)
         self.pager.begin_pass(kind)
         self.backwards.clear()
@@ -284,7 +284,7 @@ class Engine:
         """A failure stopped the run and is on its way to the user: from now on the store's blocks are
         read as they are, and failed reads may be tried again."""
         if self.optimizer is not None:  # its step's updates so far stay: the weights are between steps
-            self.updated_before_a_failure = self.optimizer.updated_before_a_failure
+            self.weights.between_steps = self.optimizer.updated_before_a_failure
         self.drop_optimizer()
         self.store.forget_read_failures()
 

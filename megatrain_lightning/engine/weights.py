@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from megatrain_lightning.engine import hooks
@@ -43,6 +44,7 @@ class StoredWeights:
         self.user_writes = [0] * len(blocks)  # in-place changes by user code, by block (see PagedCall)
         self._outside_hooks: dict[tuple[int, int], Any] = {}  # placeholders whose gradients engines take
         self._undo: list[Callable[[], None]] = []
+        self.between_steps = 0  # blocks a step stopped in its backward had updated (Engine.end_stopped_run)
 
     @property
     def engine(self) -> Engine | None:
@@ -55,6 +57,19 @@ class StoredWeights:
         for placeholders in self.placeholders:
             for placeholder in placeholders:
                 torch._C.TensorBase.grad.__set__(placeholder, None)
+
+    def train_on(self) -> None:
+        """A training pass begins: weights that a step stopped in its backward left between two steps (no
+        checkpoint loaded since) are said to be trained on, and from now on are this run's."""
+        if self.between_steps:
+            rank_zero_warn(
+                "megatrain: this model's last fit stopped during a step's backward after "
+                f"{self.between_steps} of {len(self.blocks)} blocks were updated, so its weights are between "
+                "two steps (plain Lightning's would be those before that step); this run trains on from "
+                "them. To train as the uninterrupted run would, resume from the last checkpoint "
+                "(`fit(ckpt_path=...)`)."
+            )
+            self.between_steps = 0
 
     def install_hooks(self) -> None:
         self._undo = hooks.install(self)

@@ -110,7 +110,7 @@ def between_steps(engine: Any, path: str) -> bool:
     then; resuming from such weights would train differently). Said by an error, or by a warning while an
     exception is handled (``OnExceptionCheckpoint``): raising there would hide it and skip the teardown."""
     optimizer = engine.optimizer
-    updated = optimizer.updated_before_a_failure if optimizer is not None else engine.updated_before_a_failure
+    updated = optimizer.updated_before_a_failure if optimizer is not None else engine.weights.between_steps
     if not updated:
         return True
     message = (
@@ -262,6 +262,7 @@ def load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
         _load_weights(ckpt, engine, module)
     except OSError as err:
         raise io_failure(err, ckpt.path, writing=False) from err
+    engine.weights.between_steps = 0  # whole steps again
 
 
 def _load_weights(ckpt: CheckpointDir, engine: Any, module: nn.Module) -> None:
