@@ -22,7 +22,8 @@ from typing_extensions import override
 FINISHING = (
     "megatrain: Ctrl-C: finishing this step first, then stopping (its blocks update during the backward, "
     "and a step cut short leaves the weights between two steps, which no checkpoint can hold). "
-    "Press Ctrl-C again to stop at once, without a checkpoint of the weights."
+    "Press Ctrl-C again to stop at once: the step is then lost, and once its updates began no checkpoint "
+    "can hold the weights."
 )
 
 
@@ -45,6 +46,9 @@ class DeferredInterrupt:
         signal.signal(signal.SIGINT, self._note)
         try:
             yield
+        except BaseException:
+            self.pending = False  # the run ends with this error (or with the second Ctrl-C)
+            raise
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 

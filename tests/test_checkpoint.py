@@ -32,8 +32,10 @@ from transformers import AutoModelForCausalLM
 from megatrain_lightning import MegaTrainStrategy, open_checkpoint
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.placeholders import ParamPlaceholder
+from megatrain_lightning.interrupts import DeferredInterrupt
 from megatrain_lightning.models import CausalLMModule
 from megatrain_lightning.presets import tiny_config
+from megatrain_lightning.serialization import checkpoint as checkpoint_module
 from megatrain_lightning.serialization.checkpoint import optimizer_block
 from megatrain_lightning.serialization.checkpoint_dir import CheckpointDir, CheckpointError
 from megatrain_lightning.serialization.export import export_hf
@@ -656,3 +658,25 @@ def test_ctrl_c_in_a_backward_finishes_the_step_and_a_second_one_stops_at_once(
     uninterrupted = user_fit(tiny_model("llama"), "auto", 6, batches=batches)
     for name, weight in uninterrupted.state_dict().items():
         assert torch.equal(weight, resumed.state_dict()[name]), name
+
+
+def test_a_ctrl_c_noted_in_a_step_that_then_fails_is_not_left_pending(ctrl_c_restored):
+    interrupt = DeferredInterrupt()
+    with pytest.raises(RuntimeError, match="the step failed"), interrupt.finishing_the_step():
+        signal.raise_signal(signal.SIGINT)
+        assert interrupt.pending
+        raise RuntimeError("the step failed")
+    interrupt.raise_pending()  # the run ended with the failure: nothing is raised later
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_during_a_checkpoint_write_leaves_no_partial_copy(tmp_path, monkeypatch):
+    run = user_fit(tiny_model("llama"), MegaTrainStrategy(), 1)
+
+    def ctrl_c(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module, "write_rest", ctrl_c)  # after every block's files were written
+    with pytest.raises(KeyboardInterrupt):
+        run.trainer.save_checkpoint(tmp_path / "mine.ckpt")
+    assert os.listdir(tmp_path) == []

@@ -102,6 +102,9 @@ def save(path: str, engine: Any, module: nn.Module, lightning_state: dict[str, A
     except OSError as err:
         writer.abandon()
         raise_write_failure(err, writer.path)
+    except BaseException:  # Ctrl-C, or a failure of ours: no partial copy stays either
+        writer.abandon()
+        raise
 
 
 def between_steps(engine: Any, path: str) -> bool:
