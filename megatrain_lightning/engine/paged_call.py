@@ -244,7 +244,11 @@ class PagedCall(torch.autograd.Function):
         check_graph(site, call, outputs, inputs, leaves)
         ctx.takers = engine.shared_inputs.note(ctx, tensors, uses_in(outputs, inputs))
         returned = tuple(o.detach() for o in outputs)
-        ctx.mark_non_differentiable(*[o for o in returned if not o.is_floating_point()])
+        # An output computed from nothing that takes a gradient (T5's cross-attention bias, a mask) takes none
+        # either, as in plain PyTorch (kernels choose by it: CPU attention with a bias that requires grad).
+        ctx.mark_non_differentiable(
+            *[r for r, o in zip(returned, outputs, strict=True) if not o.requires_grad]
+        )
         ctx.set_materialize_grads(False)
         return returned
 
