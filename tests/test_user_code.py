@@ -84,8 +84,9 @@ class SharedLayersLM(ToyLM):
 
 
 class ContextLayer(nn.Module):
-    """A layer that reads a context beside its input ``uses`` times (0 to 2), as a decoder layer's
-    cross-attention reads the encoder's output (keys and values)."""
+    """A layer that reads a context beside its input ``uses`` times (0 to 3), as a decoder layer's
+    cross-attention reads the encoder's output (keys and values); its third use is elementwise (in fp32
+    under autocast, where the linear ones cast it to bf16)."""
 
     def __init__(self, uses: int, width: int = 32) -> None:
         super().__init__()
@@ -98,6 +99,8 @@ class ContextLayer(nn.Module):
             z = z + self.add(context)
         if self.uses >= 2:
             z = z * torch.sigmoid(self.gate(context))
+        if self.uses >= 3:
+            z = z + 0.5 * context
         return h + torch.tanh(z)
 
 
@@ -127,17 +130,19 @@ class ContextLM(ToyLM):
         return SimpleNamespace(loss=loss, logits=logits)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["recompute", "once"])
 @pytest.mark.parametrize("prefix", [False, True], ids=["computed", "learned-prefix"])
-def test_a_tensor_every_layer_takes_gets_its_gradient_as_autograd_sums_it(prefix, checkpointing):
-    """Layers reading it twice, once and not at all: its gradient summed use by use in autograd's order
-    (engine/shared_inputs.py); a learned prefix handed to the calls as it is trains (it took no gradient:
-    its placeholder went into the calls)."""
+def test_a_tensor_every_layer_takes_gets_its_gradient_as_autograd_sums_it(prefix, checkpointing, precision):
+    """Layers reading it three times, twice, once and not at all: its gradient summed use by use in
+    autograd's order (engine/shared_inputs.py), under autocast too (a call reads it through a view); a
+    learned prefix handed to the calls as it is trains (it took no gradient: its placeholder went into the
+    calls)."""
     torch.manual_seed(0)
-    model = ContextLM(uses=(2, 1, 0, 2), prefix=prefix)
-    plain = user_fit(model, "auto")
+    model = ContextLM(uses=(3, 1, 0, 2, 3), prefix=prefix)
+    plain = user_fit(model, "auto", precision=precision)
     strategy = MegaTrainStrategy(block_classes=[ContextLayer], activation_checkpointing=checkpointing)
-    assert_same_training(plain, user_fit(model, strategy))
+    assert_same_training(plain, user_fit(model, strategy, precision=precision))
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])

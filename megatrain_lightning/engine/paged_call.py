@@ -51,13 +51,17 @@ class Call:
     out_spec: Any = None
     out_positions: list[int] = field(default_factory=list)
     captures: Captures = field(default_factory=Captures)
+    views: dict[int, Tensor] = field(default_factory=dict)  # the last run's inputs read through a view
 
     def run(self, tensors: tuple[Tensor, ...] | list[Tensor], recompute: bool = False) -> list[Tensor]:
         """The block's output tensors, then the tensors its layers handed to the model's collector."""
         caches = {i: leaf.copy() for i, leaf in enumerate(self.flat) if isinstance(leaf, FreshCache)}
         flat = [caches.get(i, leaf) for i, leaf in enumerate(self.flat)]
-        for i, t in zip(self.positions, tensors, strict=True):
+        self.views = {}
+        for position, (i, t) in enumerate(zip(self.positions, tensors, strict=True)):
             flat[i] = _as_non_leaf(t)
+            if flat[i] is not t:
+                self.views[position] = flat[i]
         args, kwargs = tree_unflatten(flat, self.spec)
         with self.captures.watching(recompute) as captured:
             out_flat, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
@@ -242,7 +246,7 @@ class PagedCall(torch.autograd.Function):
                     outputs = off_slot(call.run(inputs), slot)
             ctx.graph = (outputs, inputs, leaves)
         check_graph(site, call, outputs, inputs, leaves)
-        ctx.takers = engine.shared_inputs.note(ctx, tensors, uses_in(outputs, inputs))
+        ctx.takers = engine.shared_inputs.note(ctx, tensors, uses_in(outputs, inputs, call.views))
         returned = tuple(o.detach() for o in outputs)
         # An output computed from nothing that takes a gradient (T5's cross-attention bias, a mask) takes none
         # either, as in plain PyTorch (kernels choose by it: CPU attention with a bias that requires grad).
@@ -287,7 +291,7 @@ class PagedCall(torch.autograd.Function):
             wrt_inputs = [t for t in inputs if t.requires_grad]
             wrt_leaves = {i: t for i, t in leaves.items() if t.requires_grad}
             wrt = wrt_inputs + list(wrt_leaves.values())
-            pairs += carried_sums(ctx, ctx.takers, inputs)  # autograd runs these roots first
+            pairs += carried_sums(ctx, ctx.takers, inputs, call.views)  # autograd runs these roots first
             if pairs and wrt:
                 grads = torch.autograd.grad(
                     [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True

@@ -11,8 +11,8 @@ after the block's graph, which autograd therefore runs before the block's own us
 run uses it more than once, the sum is handed out as before (each further use is added alone either way),
 so uses outside the blocks' calls in between (a concatenation of layer outputs) still fall in their place.
 Where both meet, a call using the tensor several times and a use outside the calls while a sum is
-carried, the sums stay a rounding apart; under autocast a call reads its input through one view
-(``paged_call._as_non_leaf``), which counts as one use, so nothing is carried there.
+carried, the sums stay a rounding apart. Under autocast a call reads a leaf input through a view
+(``paged_call._as_non_leaf``): its uses are the view's, and a carried sum starts there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,11 +74,12 @@ class SharedInputs:
         return noted
 
 
-def uses_in(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> Counter[int]:
+def uses_in(outputs: Sequence[Tensor], inputs: Sequence[Tensor], views: Mapping[int, Tensor]) -> Counter[int]:
     """By position, how many ops of the graph of ``outputs`` take each of ``inputs`` (the call's detached
-    inputs, leaves of its graph). An input autocast reads through a view (``paged_call._as_non_leaf``) is
-    taken once: by the view."""
+    inputs, leaves of its graph), or of the view the call read it through (``views``, by position: under
+    autocast, ``paged_call._as_non_leaf``), where its gradients gather."""
     positions = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
+    through = {view.grad_fn: i for i, view in views.items()}
     uses: Counter[int] = Counter()
     stack, seen = [o.grad_fn for o in outputs if o.grad_fn is not None], set()
     while stack:
@@ -88,6 +89,9 @@ def uses_in(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> Counter[int]
         seen.add(node)
         for next_node, _ in node.next_functions:
             if next_node is None:
+                continue
+            if next_node in through:
+                uses[through[next_node]] += 1
                 continue
             leaf = getattr(next_node, "variable", None)  # AccumulateGrad: a leaf
             if leaf is None:
@@ -102,9 +106,12 @@ def _forget(takers: dict[int, Takers], key: int, tensor: weakref.ref) -> None:
         del takers[key]
 
 
-def carried_sums(ctx: Any, noted: dict[int, Takers], inputs: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+def carried_sums(
+    ctx: Any, noted: dict[int, Takers], inputs: Sequence[Tensor], views: Mapping[int, Tensor]
+) -> list[tuple[Tensor, Tensor]]:
     """At a call's backward: for each input a later call carried a sum to, a root of the block's inner
-    autograd (a view of the input, made now so autograd runs it first) and that sum as its gradient."""
+    autograd (a view of the input, or of the view the call read it through, made now so autograd runs it
+    first) and that sum as its gradient."""
     seeds = []
     for position, takers in noted.items():
         takers = takers.this_backward()
@@ -112,7 +119,8 @@ def carried_sums(ctx: Any, noted: dict[int, Takers], inputs: Sequence[Tensor]) -
         carried, takers.carried = takers.carried, None
         if carried is not None and inputs[position].requires_grad:
             with torch.enable_grad():
-                seeds.append((inputs[position].view_as(inputs[position]), carried))
+                read = views.get(position, inputs[position])
+                seeds.append((read.view_as(read), carried))
     return seeds
 
 
