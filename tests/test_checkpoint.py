@@ -533,24 +533,32 @@ class StoppedInBackward(Exception):
     """Stands in for Ctrl-C or an out-of-memory error during a step's backward."""
 
 
-def _stop_in_backward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    hidden = args[0] if args else kwargs["hidden_states"]
-    hidden.register_hook(lambda grad: (_ for _ in ()).throw(StoppedInBackward()))
+class InTheThirdBackward(UserLM):
+    """Calls ``in_backward`` during the third step's backward, between the first decoder layer and the
+    embedding: the later blocks' updates have begun by then (plain Lightning updates nothing before the
+    backward ends)."""
 
-
-class StopsInTheThirdBackward(UserLM):
-    """The third step's backward stops between the first decoder layer and the embedding: the later
-    blocks' updates have begun by then (plain Lightning updates nothing before the backward ends)."""
+    def in_backward(self) -> None:
+        raise NotImplementedError
 
     def training_step(self, batch, batch_idx):
         if self.global_step != 2:
             return super().training_step(batch, batch_idx)
-        layer = self.model.model.layers[0]
-        handle = layer.register_forward_pre_hook(_stop_in_backward, with_kwargs=True)
+
+        def hook_the_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden.register_hook(lambda grad: self.in_backward())
+
+        handle = self.model.model.layers[0].register_forward_pre_hook(hook_the_input, with_kwargs=True)
         try:
             return super().training_step(batch, batch_idx)
         finally:
             handle.remove()
+
+
+class StopsInTheThirdBackward(InTheThirdBackward):
+    def in_backward(self) -> None:
+        raise StoppedInBackward()
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["updates-in-backward", "clipped"])
@@ -594,31 +602,16 @@ def test_a_fit_after_a_step_cut_short_says_it_trains_on_from_weights_between_two
     assert len(said) == (0 if resume else 1)
 
 
-class CtrlCInTheThirdBackward(UserLM):
-    """Ctrl-C is pressed ``presses`` times during the third step's backward, between the first decoder layer
-    and the embedding: the later blocks' updates have begun by then."""
+class CtrlCInTheThirdBackward(InTheThirdBackward):
+    """Ctrl-C is pressed ``presses`` times during the third step's backward."""
 
     def __init__(self, model: torch.nn.Module, presses: int) -> None:
         super().__init__(model)
         self.presses = presses
 
-    def training_step(self, batch, batch_idx):
-        if self.global_step != 2:
-            return super().training_step(batch, batch_idx)
-
-        def ctrl_c(grad: torch.Tensor) -> None:
-            for _ in range(self.presses):
-                signal.raise_signal(signal.SIGINT)
-
-        def press(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            hidden.register_hook(ctrl_c)
-
-        handle = self.model.model.layers[0].register_forward_pre_hook(press, with_kwargs=True)
-        try:
-            return super().training_step(batch, batch_idx)
-        finally:
-            handle.remove()
+    def in_backward(self) -> None:
+        for _ in range(self.presses):
+            signal.raise_signal(signal.SIGINT)
 
 
 @pytest.fixture
