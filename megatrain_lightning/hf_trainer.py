@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Sized
 from typing import Any
@@ -28,7 +29,13 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
-from transformers import PreTrainedModel, TrainingArguments, default_data_collator, get_scheduler
+from transformers import (
+    PreTrainedModel,
+    TrainerState,
+    TrainingArguments,
+    default_data_collator,
+    get_scheduler,
+)
 from transformers.trainer_utils import TrainOutput
 from typing_extensions import override
 
@@ -187,6 +194,7 @@ class Trainer:
             lr_scheduler_kwargs=a.lr_scheduler_kwargs,
         )
         self.trainer: L.Trainer | None = None  # the Lightning Trainer of the last train() or evaluate()
+        self.state = TrainerState()  # Hugging Face's: step, epoch and ``log_history`` of the last train()
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Fit; ``resume_from_checkpoint=True`` resumes from ``<output_dir>/checkpoints/last.ckpt``."""
@@ -205,6 +213,7 @@ class Trainer:
             )
         elif not evaluate:
             kwargs.update(limit_val_batches=0)
+        self.state = TrainerState(max_steps=total, num_train_epochs=math.ceil(a.num_train_epochs))
         last = os.path.join(a.output_dir, "checkpoints", "last.ckpt")
         if resume_from_checkpoint is True and not os.path.exists(last):
             raise ValueError(f"mt.Trainer: no checkpoint to resume from: {last} does not exist.")
@@ -243,7 +252,7 @@ class Trainer:
             raise ValueError("mt.Trainer.evaluate() needs an eval_dataset")
         self.trainer = self._lightning_trainer(enable_checkpointing=False)
         (metrics,) = self.trainer.validate(self.module, dataloaders=self._eval_loader(dataset), verbose=False)
-        return {f"eval_{k.removeprefix('val_')}": float(v) for k, v in metrics.items()}
+        return _log(self.state, _eval_metrics(metrics))
 
     # -- building the Lightning pieces --
 
@@ -265,8 +274,10 @@ class Trainer:
 
     def _callbacks(self, total_steps: int) -> list[Callback]:
         a = self.args
-        callbacks: list[Callback] = [MegaTrainMonitor()]
-        if strategy(a.logging_strategy) != "no":
+        logging = strategy(a.logging_strategy) != "no"
+        every = _log_interval(a.logging_steps, total_steps) if logging else None
+        callbacks: list[Callback] = [MegaTrainMonitor(), _LogHistory(self.state, every)]
+        if logging:
             callbacks.append(LearningRateMonitor(logging_interval="step"))
         save = strategy(a.save_strategy)
         if save in ("steps", "epoch"):
@@ -341,3 +352,56 @@ class _SaveAsHuggingFace(ModelCheckpoint):
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
+
+
+def _eval_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    return {f"eval_{k.removeprefix('val_')}": float(v) for k, v in metrics.items() if k.startswith("val_")}
+
+
+def _log(state: TrainerState, values: dict[str, float]) -> dict[str, float]:
+    """An entry of ``state.log_history``, as Hugging Face's ``Trainer.log`` adds it: with epoch and step."""
+    state.log_history.append({**values, "epoch": state.epoch, "step": state.global_step})
+    return values
+
+
+class _LogHistory(Callback):
+    """Keeps Hugging Face's ``TrainerState`` of a run: the optimizer step, the epoch (fractional, as Hugging
+    Face counts it) and ``log_history``: every ``every`` steps the mean training loss of the micro-batches
+    since the last entry and the learning rate of the next step, each evaluation's metrics, and at the end
+    the run's time and mean loss."""
+
+    def __init__(self, state: TrainerState, every: int | None) -> None:
+        self.state = state
+        self.every = every
+        self._logged = (0.0, 0)  # the module's loss sum and count at the last entry
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state.global_step = trainer.global_step  # a resumed run's
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        state = self.state
+        stepped = trainer.global_step != state.global_step
+        state.global_step = trainer.global_step
+        state.epoch = trainer.current_epoch + (batch_idx + 1) / trainer.num_training_batches
+        if stepped and self.every and state.global_step % self.every == 0:
+            total, count = pl_module.loss_sum, pl_module.loss_count
+            (logged_total, logged_count), self._logged = self._logged, (total, count)
+            lr = trainer.optimizers[0].param_groups[0]["lr"]  # the schedule has stepped: the next step's
+            _log(state, {"loss": (total - logged_total) / (count - logged_count), "learning_rate": lr})
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            _log(self.state, _eval_metrics(trainer.callback_metrics))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = time.perf_counter() - self._start
+        loss = pl_module.loss_sum / max(pl_module.loss_count, 1)
+        _log(self.state, {"train_runtime": runtime, "train_loss": loss})

@@ -108,8 +108,23 @@ def test_trainer_maps_training_arguments_and_loss_falls(tmp_path, windows):
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
     assert saved == ["checkpoint-16.ckpt", "checkpoint-8.ckpt", "last.ckpt"]
 
+    # Hugging Face's `state.log_history`: per logging step the mean loss since the last entry and the next
+    # step's learning rate, each evaluation, a summary; then `evaluate()`'s entry.
     metrics = trainer.evaluate()
     assert set(metrics) == {"eval_loss", "eval_ppl"} and metrics["eval_loss"] < 5.0
+    state = trainer.state
+    assert (state.global_step, state.max_steps) == (16, 16)
+    logged = [e for e in state.log_history if "loss" in e]
+    assert [e["step"] for e in logged] == list(range(1, 17))
+    assert sum(e["loss"] for e in logged) / 16 == pytest.approx(out.training_loss, rel=1e-6)
+    next_lrs = [lrs.get(e["step"], optimizer.param_groups[0]["lr"]) for e in logged]  # after the last: now
+    assert [e["learning_rate"] for e in logged] == pytest.approx(next_lrs)
+    epochs = [e["epoch"] for e in state.log_history]
+    assert epochs == sorted(epochs) and epochs[0] > 0
+    evaluations = [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
+    assert [step for step, _ in evaluations] == [8, 16, 16] and evaluations[-1][1] == metrics["eval_loss"]
+    summary = next(e for e in state.log_history if "train_loss" in e)
+    assert summary["train_loss"] == out.training_loss and summary["step"] == 16
 
 
 def test_unsupported_arguments_warn_once_each(tmp_path):
