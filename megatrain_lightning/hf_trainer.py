@@ -367,19 +367,26 @@ def _log(state: TrainerState, values: dict[str, float]) -> dict[str, float]:
 class _LogHistory(Callback):
     """Keeps Hugging Face's ``TrainerState`` of a run: the optimizer step, the epoch (fractional, as Hugging
     Face counts it) and ``log_history``: every ``every`` steps the mean training loss of the micro-batches
-    since the last entry and the learning rate of the next step, each evaluation's metrics, and at the end
-    the run's time and mean loss."""
+    since the last entry and the learning rate of the step, each evaluation's metrics, and at the end the
+    run's time and mean loss."""
 
     def __init__(self, state: TrainerState, every: int | None) -> None:
         self.state = state
         self.every = every
         self._logged = (0.0, 0)  # the module's loss sum and count at the last entry
+        self._lr = 0.0  # the learning rate of the step being taken
         self._start = time.perf_counter()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.state.global_step = trainer.global_step  # a resumed run's
         self._start = time.perf_counter()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        self._lr = optimizer.param_groups[0]["lr"]
 
     @override
     def on_train_batch_end(
@@ -392,8 +399,7 @@ class _LogHistory(Callback):
         if stepped and self.every and state.global_step % self.every == 0:
             total, count = pl_module.loss_sum, pl_module.loss_count
             (logged_total, logged_count), self._logged = self._logged, (total, count)
-            lr = trainer.optimizers[0].param_groups[0]["lr"]  # the schedule has stepped: the next step's
-            _log(state, {"loss": (total - logged_total) / (count - logged_count), "learning_rate": lr})
+            _log(state, {"loss": (total - logged_total) / (count - logged_count), "learning_rate": self._lr})
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -108,8 +108,8 @@ def test_trainer_maps_training_arguments_and_loss_falls(tmp_path, windows):
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
     assert saved == ["checkpoint-16.ckpt", "checkpoint-8.ckpt", "last.ckpt"]
 
-    # Hugging Face's `state.log_history`: per logging step the mean loss since the last entry and the next
-    # step's learning rate, each evaluation, a summary; then `evaluate()`'s entry.
+    # Hugging Face's `state.log_history`: per logging step the mean loss since the last entry and the step's
+    # learning rate, each evaluation, a summary; then `evaluate()`'s entry.
     metrics = trainer.evaluate()
     assert set(metrics) == {"eval_loss", "eval_ppl"} and metrics["eval_loss"] < 5.0
     state = trainer.state
@@ -117,8 +117,7 @@ def test_trainer_maps_training_arguments_and_loss_falls(tmp_path, windows):
     logged = [e for e in state.log_history if "loss" in e]
     assert [e["step"] for e in logged] == list(range(1, 17))
     assert sum(e["loss"] for e in logged) / 16 == pytest.approx(out.training_loss, rel=1e-6)
-    next_lrs = [lrs.get(e["step"], optimizer.param_groups[0]["lr"]) for e in logged]  # after the last: now
-    assert [e["learning_rate"] for e in logged] == pytest.approx(next_lrs)
+    assert [e["learning_rate"] for e in logged] == pytest.approx([lrs[e["step"] - 1] for e in logged])
     epochs = [e["epoch"] for e in state.log_history]
     assert epochs == sorted(epochs) and epochs[0] > 0
     evaluations = [(e["step"], e["eval_loss"]) for e in state.log_history if "eval_loss" in e]
