@@ -711,20 +711,17 @@ def test_data_parallel_on_other_accelerators_is_refused_before_training() -> Non
 
 # A user's script as users launch it: ``python script.py``, the strategy's launcher starting rank 1. Its own
 # exit handler, registered before the Trainer's, runs after the strategy's and reports the group.
-_EXITING_SCRIPT = """
+_REGRESSION = """
 import atexit
 import os
+import signal
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 
 import megatrain_lightning  # registers strategy="megatrain"
-
-
-@atexit.register
-def report():  # one write of a line: the ranks share the pipe
-    os.write(1, f"group alive at exit: {torch.distributed.is_initialized()}\\n".encode())
 
 
 class Layer(torch.nn.Module):
@@ -749,6 +746,15 @@ class Regression(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+"""
+
+_EXITING_SCRIPT = (
+    _REGRESSION
+    + """
+@atexit.register
+def report():  # one write of a line: the ranks share the pipe
+    os.write(1, f"group alive at exit: {torch.distributed.is_initialized()}\\n".encode())
+
 
 trainer = L.Trainer(
     strategy="megatrain", accelerator="cpu", devices=2, max_steps=2, logger=False,
@@ -756,6 +762,34 @@ trainer = L.Trainer(
 )
 trainer.fit(Regression(), DataLoader(torch.randn(16, 8), batch_size=4))
 """
+)
+
+_CTRL_C_ON_RANK_1_SCRIPT = (
+    _REGRESSION
+    + """
+class CtrlCOnRank1(Regression):  # Ctrl-C reaches rank 1 alone (kill -INT, a scheduler), in step 2's backward
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 1:
+            loss.register_hook(lambda grad: signal.raise_signal(signal.SIGINT))
+        return loss
+
+
+trainer = L.Trainer(
+    strategy="megatrain", accelerator="cpu", devices=2, max_steps=4, logger=False,
+    callbacks=[OnExceptionCheckpoint(".")], enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(CtrlCOnRank1(), DataLoader(torch.randn(16, 8), batch_size=4))
+"""
+)
+
+
+def _run_script(tmp_path: Path, script: str) -> subprocess.CompletedProcess:
+    (tmp_path / "train.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
 
 
 def test_each_rank_destroys_its_gloo_group_before_the_interpreter_exits(tmp_path: Path) -> None:
@@ -763,14 +797,21 @@ def test_each_rank_destroys_its_gloo_group_before_the_interpreter_exits(tmp_path
     finalization aborted a rank now and then after its work was done ("terminate called without an active
     exception": 6 of 40 two-rank torchrun runs of a script that exits without destroying its group, 0 of
     40 with it destroyed by an exit handler): the strategy destroys every group it made at exit."""
-    script = tmp_path / "train.py"
-    script.write_text(_EXITING_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
-    )
+    proc = _run_script(tmp_path, _EXITING_SCRIPT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("group alive at exit: False") == 2, proc.stdout[-3000:]
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_after_the_step_with_a_checkpoint_of_it(tmp_path: Path) -> None:
+    """The rank that got it finishes the step as the others do, then every rank stops at the next batch, so
+    `OnExceptionCheckpoint` (which needs every rank's share) holds two whole steps. Before, that rank alone
+    stopped: its save waited for the others, which waited in the next step's collectives."""
+    proc = _run_script(tmp_path, _CTRL_C_ON_RANK_1_SCRIPT)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # Lightning's exit on Ctrl-C
+    assert "[rank: 1] megatrain: Ctrl-C: finishing this step first" in proc.stderr
+    checkpoint = tmp_path / "on_exception.ckpt"
+    assert CheckpointDir.verify(checkpoint).lightning_state()["global_step"] == 2
+    assert not list(tmp_path.glob("*.tmp-*"))
 
 
 def _rank_main(
