@@ -17,6 +17,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from megatrain_lightning.engine.captures import routes_captures
+from megatrain_lightning.engine.placeholders import ParamPlaceholder
+from megatrain_lightning.engine.weights import GRADIENT_HOOK, has_gradient_hooks
 from megatrain_lightning.serialization.checkpoint_dir import missing_resume_path, resume_path_of_this_run
 
 _GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")  # where users read gradients
@@ -43,10 +45,18 @@ def check_before_training(trainer: pl.Trainer) -> None:
     _refuse_weight_callbacks(trainer)
     _refuse_checkpoint_io(trainer)
     _refuse_compiled_modules(trainer.lightning_module)
+    _refuse_gradient_hooks(trainer.lightning_module)
     if trainer.state.fn == TrainerFn.FITTING and not routes_captures():
         _refuse_router_logits(trainer.lightning_module)
     if trainer.precision != "bf16-true":
         _warn_narrow_weights(trainer.lightning_module)
+
+
+def _refuse_gradient_hooks(module: nn.Module) -> None:
+    """A hook of the user's on a parameter (not yet a placeholder: the first fit) would be lost with it."""
+    for name, param in module.named_parameters():
+        if not isinstance(param, ParamPlaceholder) and has_gradient_hooks(param):
+            raise MisconfigurationException(GRADIENT_HOOK.format(name=name))
 
 
 def _refuse_weight_callbacks(trainer: pl.Trainer) -> None:

@@ -1248,3 +1248,37 @@ def test_forward_hooks_inside_a_block_run_again_in_the_recompute_as_the_readme_s
     model.model.layers[0].mlp.register_forward_hook(lambda *_: calls.__setitem__("mlp", calls["mlp"] + 1))
     user_fit(model, MegaTrainStrategy(activation_checkpointing=checkpointing), steps=1)
     assert calls == {"layer": 1, "mlp": 2 if checkpointing else 1}
+
+
+class GradientHookLM(UserLM):
+    """A gradient hook on a layer's weight (masking its gradient), put on in `__init__` or `on_fit_start`."""
+
+    def __init__(self, model: torch.nn.Module, when: str, kind: str) -> None:
+        super().__init__(model)
+        self.when, self.kind = when, kind
+        if when == "init":
+            self._hook()
+
+    def on_fit_start(self) -> None:
+        if self.when == "fit-start":
+            self._hook()
+
+    def _hook(self) -> None:
+        weight = self.model.model.layers[1].mlp.down_proj.weight
+        if self.kind == "tensor":
+            weight.register_hook(lambda grad: grad * 0.0)
+        else:
+            weight.register_post_accumulate_grad_hook(lambda p: p.grad.zero_())
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post-accumulate"])
+@pytest.mark.parametrize("when", ["init", "fit-start"])
+def test_a_gradient_hook_on_a_weight_is_refused_not_skipped(when, kind):
+    """The hook never ran (the layer's gradients are taken inside its paged call): a masked weight trained."""
+    module = GradientHookLM(tiny_model("llama"), when, kind)
+    trainer = quiet_trainer(MegaTrainStrategy(), 1, [])
+    loader = torch.utils.data.DataLoader(token_batches(1), batch_size=None)
+    with pytest.raises(
+        MisconfigurationException, match="model.model.layers.1.mlp.down_proj.weight` has a gradient hook"
+    ):
+        trainer.fit(module, train_dataloaders=loader)

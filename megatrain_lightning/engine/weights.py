@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
@@ -27,6 +28,19 @@ from megatrain_lightning.telemetry.progress import byte_progress
 
 if TYPE_CHECKING:
     from megatrain_lightning.engine.runtime import Engine, EngineConfig
+
+
+GRADIENT_HOOK = (
+    "megatrain: `{name}` has a gradient hook of yours (`register_hook` or "
+    "`register_post_accumulate_grad_hook`). megatrain takes each layer's gradients inside its paged call "
+    "and sums them in its store, so the hook would never run (one that scales or masks the gradient would "
+    "silently not). Change gradients in `on_before_optimizer_step` (`p.grad`), or freeze a weight with "
+    "`requires_grad_(False)`."
+)
+
+
+def has_gradient_hooks(tensor: Tensor) -> bool:
+    return bool(tensor._backward_hooks) or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 
 class StoredWeights:
@@ -60,7 +74,8 @@ class StoredWeights:
 
     def train_on(self) -> None:
         """A training pass begins: weights that a step stopped in its backward left between two steps (no
-        checkpoint loaded since) are said to be trained on, and from now on are this run's."""
+        checkpoint loaded since) are said to be trained on, and from now on are this run's; a gradient hook
+        put on a layer's weight since the setup is refused (``user_code`` refuses one put on before)."""
         if self.between_steps:
             rank_zero_warn(
                 "megatrain: this model's last fit stopped during a step's backward after "
@@ -70,6 +85,10 @@ class StoredWeights:
                 "(`fit(ckpt_path=...)`)."
             )
             self.between_steps = 0
+        for block, placeholders in enumerate(self.placeholders):
+            for index, placeholder in enumerate(placeholders):
+                if (block, index) not in self._outside_hooks and has_gradient_hooks(placeholder):
+                    raise MisconfigurationException(GRADIENT_HOOK.format(name=placeholder._name))
 
     def install_hooks(self) -> None:
         self._undo = hooks.install(self)
